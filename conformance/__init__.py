@@ -1,0 +1,1 @@
+"""dsv4.conformance: cases, goldens, tolerances, runner, reports and the dsv4-conformance CLI."""

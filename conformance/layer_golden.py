@@ -1,0 +1,136 @@
+"""Replay a ``dsv4-layer-golden/1`` file (SPEC §14) through our layers and judge it.
+
+A golden is ``NAME.json`` + ``NAME.safetensors``: the config, the layers, the steps, the input, the
+weights by official name, and the outputs another implementation produced. Each layer is checked on
+its own (not chained): the same input feeds every layer; each batch row is a separate request of
+one paged batch; every step's outputs are concatenated and compared row by row (one row = one
+token's output vector) by cosine similarity, with SPEC §14's pass rule per layer kind.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsv4.cache import PagedKVCache, StepRequest
+from dsv4.conformance.tolerances import LAYER_GOLDEN
+from dsv4.layer import Attention
+from dsv4.specs.config import ModelConfig
+from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.layer_kinds import LayerKind
+
+__all__ = ["LayerGoldenReport", "load_layer_golden", "run_layer_golden", "judge_rows", "row_cosine"]
+
+FORMAT = "dsv4-layer-golden/1"
+
+
+@dataclass
+class LayerGoldenReport:
+    """Outcome of one golden: ``rows`` has one dict per layer; ``passed`` is their conjunction."""
+
+    path: str
+    source: str
+    numerics: str
+    backend: str
+    device: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r["passed"] for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "source": self.source, "numerics": self.numerics, "backend": self.backend,
+                "device": self.device, "passed": self.passed, "layers": self.rows}
+
+
+def row_cosine(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity per row of ``[..., hidden]`` tensors, in float64 -> ``[rows]``."""
+    a = out.reshape(-1, out.shape[-1]).double()
+    b = ref.reshape(-1, ref.shape[-1]).double()
+    num = (a * b).sum(-1)
+    den = a.norm(dim=-1) * b.norm(dim=-1)
+    cos = num / den.clamp_min(1e-300)
+    both_zero = (a.norm(dim=-1) == 0) & (b.norm(dim=-1) == 0)
+    return torch.where(both_zero, torch.ones_like(cos), cos)
+
+
+def judge_rows(kind: LayerKind, cos: torch.Tensor) -> dict:
+    """SPEC §14 pass rule on row cosines: strict for SWA/HCA, tie-tolerant for CSA."""
+    rule = LAYER_GOLDEN
+    cos = torch.nan_to_num(cos, nan=-1.0)
+    frac = float((cos >= rule.row_cosine).double().mean())
+    stats = {"rows": int(cos.numel()), "min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
+             "fraction_ge": frac, "worst_row": int(cos.argmin())}
+    if kind == LayerKind.CSA:
+        passed = (frac >= rule.csa_fraction and stats["mean_cosine"] >= rule.csa_mean
+                  and stats["min_cosine"] >= rule.csa_min)
+    else:
+        passed = stats["min_cosine"] >= rule.row_cosine
+    return {**stats, "passed": bool(passed)}
+
+
+def load_layer_golden(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read and validate ``NAME.json`` and its ``NAME.safetensors``."""
+    path = Path(path)
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise DSV4ValueError.of(f"{path.name}: format", repr(FORMAT), repr(meta.get("format")))
+    for key in ("hf_config", "layers", "batch", "steps"):
+        if key not in meta:
+            raise DSV4ValueError.of(f"{path.name}", f"a {key!r} key (SPEC §14)", "none")
+    tensors = load_file(str(path.with_suffix(".safetensors")))
+    return meta, tensors
+
+
+def _num_blocks(cfg: ModelConfig, batch: int, tokens: int) -> int:
+    # generous: every group gets enough pages for the whole sequence of every request (+2 spare)
+    return batch * (tokens + 2)
+
+
+def run_layer_golden(path: str | Path, backend: str | None = None, device: str = "cpu",
+                     save_outputs: str | Path | None = None) -> LayerGoldenReport:
+    """Replay the golden at ``path`` with ``backend`` (default: auto selection) on ``device``."""
+    meta, tensors = load_layer_golden(path)
+    cfg = ModelConfig.from_hf_config(meta["hf_config"])
+    profile = meta.get("numerics", "deepseek")
+    batch, steps = int(meta["batch"]), meta["steps"]
+    x_all = tensors["input"]
+    total = x_all.shape[1]
+    covered = sum(int(s["length"]) for s in steps)
+    if covered != total:
+        raise DSV4ValueError.of(f"{Path(path).name}: steps", f"lengths summing to the input's {total} tokens",
+                                covered)
+    report = LayerGoldenReport(str(path), meta.get("source", ""), profile, backend or "auto", device)
+    outputs = {}
+    layer_ids = [int(spec["layer_id"]) for spec in meta["layers"]]
+    cache = PagedKVCache(cfg, layer_ids, num_blocks=_num_blocks(cfg, batch, total), device=device,
+                         profile=profile)
+    layers = {}
+    for layer_id in layer_ids:
+        attn = Attention(cfg, layer_id, profile=profile, backends=backend)
+        prefix = f"layers.{layer_id}.attn."
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        attn.load_state_dict(state, strict=True)
+        layers[layer_id] = attn.to(device)
+    produced = {layer_id: [] for layer_id in layer_ids}
+    with torch.no_grad():
+        for s in steps:
+            start, length = int(s["start_pos"]), int(s["length"])
+            step = cache.plan_step([StepRequest(b, length) for b in range(batch)])
+            x = x_all[:, start:start + length].reshape(batch * length, -1).to(device)
+            for layer_id, attn in layers.items():
+                produced[layer_id].append(attn(x, step).view(batch, length, -1).cpu())
+    for spec in meta["layers"]:
+        layer_id = int(spec["layer_id"])
+        out = torch.cat(produced[layer_id], dim=1)
+        outputs[f"output.{layer_id}"] = out.contiguous()
+        kind = cfg.layer_kind(layer_id)
+        verdict = judge_rows(kind, row_cosine(out, tensors[f"output.{layer_id}"]))
+        report.rows.append({"layer_id": layer_id, "kind": kind.name, **verdict})
+    if save_outputs is not None:
+        save_file(outputs, str(save_outputs))
+    return report

@@ -1,0 +1,212 @@
+"""The DSV4 attention layer (SPEC §3), with the official checkpoint's parameter names.
+
+``Attention(cfg, layer_id)`` is an ``nn.Module`` whose ``state_dict`` keys are the official
+checkpoint's ``layers.<i>.attn.*`` names (``wq_a.weight``, ``q_norm.weight``, ``wq_b.weight``,
+``wkv.weight``, ``kv_norm.weight``, ``wo_a.weight``, ``wo_b.weight``, ``attn_sink``,
+``compressor.{wkv.weight, wgate.weight, ape, norm.weight}``, ``indexer.{wq_b.weight,
+weights_proj.weight, compressor.*}``), so ``load_state_dict`` takes an official layer's weights.
+
+``forward(x, step)`` runs any mix of prefills, prefill chunks and decodes planned by
+``PagedKVCache.plan_step``; each op goes through ``dsv4.ops`` to the backend chosen for it.
+Dtypes: bf16 parameters and input give serving numerics; ``.double()`` parameters and float64
+input give the float64 ideal of the same function (caches still hold their format's values).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4 import ops
+from dsv4.cache import Step
+from dsv4.metadata import topk_local_to_global
+from dsv4.rope import rope_cos_sin
+from dsv4.specs.config import ModelConfig
+from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.numerics import get_profile
+
+__all__ = ["Attention", "RMSNorm", "Compressor", "Indexer"]
+
+OP_NAMES = ("qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk", "sparse_attention",
+            "output_projection")
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm (SPEC §3 step 1): fp32 math, output in the input's dtype. weight: [dim] fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(compute)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(compute)).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """Compressor parameters (SPEC §5): wkv, wgate [coff*d, hidden] fp32; ape [r, coff*d] fp32; norm [d]."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, coff: int, eps: float):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        self.wkv = nn.Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def kv_score(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, 2*coff*d]`` in fp32 (float64 for the ideal): ``x @ [Wkv; Wgate]^T`` (SPEC §3 step 4)."""
+        compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
+        w = torch.cat([self.wkv.weight, self.wgate.weight], 0).to(compute)
+        return F.linear(x.to(compute), w)
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer parameters (SPEC §6): wq_b [64*128, q_lora] bf16, weights_proj [64, hidden] bf16,
+    and its own d=128, r=4 compressor."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.bfloat16)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, 2, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """One DSV4 attention layer (SWA-only, HCA or CSA by ``cfg.compress_ratio(layer_id)``).
+
+    Args:
+        cfg: model configuration. layer_id: which layer (decides ratio and RoPE table).
+        profile: numerics profile (SPEC §6.6); caches written by another profile are refused.
+        backends: a backend name for every op, or ``{op_name: backend}``; unnamed ops use
+            ``"auto"`` (``DSV4_BACKEND``, then the platform's priority list).
+        fp8_output: FP8 activations before ``wo_a`` (SPEC §8); default: the profile's choice.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, profile: str = "deepseek",
+                 backends: str | Mapping[str, str] | None = None, fp8_output: bool | None = None):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.kind = cfg.layer_kind(layer_id)
+        self.profile = get_profile(profile).name
+        self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
+        if isinstance(backends, str) or backends is None:
+            self.backends = {op: backends or "auto" for op in OP_NAMES}
+        else:
+            unknown = set(backends) - set(OP_NAMES)
+            if unknown:
+                raise DSV4ValueError.of("backends", f"keys among {OP_NAMES}", sorted(unknown))
+            self.backends = {op: backends.get(op, "auto") for op in OP_NAMES}
+        H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        if H % cfg.o_groups:
+            raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)
+        eps = cfg.rms_norm_eps
+        bf16 = torch.bfloat16
+        self.wq_a = nn.Linear(hidden, cfg.q_lora_rank, bias=False, dtype=bf16)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False, dtype=bf16)
+        self.wkv = nn.Linear(hidden, D, bias=False, dtype=bf16)
+        self.kv_norm = RMSNorm(D, eps)
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False, dtype=bf16)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.compressor = (Compressor(hidden, D, self.kind.ratio, self.kind.coff, eps)
+                           if self.kind.has_compressor else None)
+        self.indexer = Indexer(cfg) if self.kind.has_indexer else None
+        # RoPE table rows grow on demand (a full 1M-position table is 256 MiB per layer);
+        # reserve_positions() sizes it ahead of CUDA-graph capture.
+        self.register_buffer("cos_sin", rope_cos_sin(cfg, layer_id, max_positions=1024), persistent=False)
+
+    def reserve_positions(self, num_positions: int) -> None:
+        """Make the RoPE table hold positions ``[0, num_positions)`` (capped at max_position_embeddings)."""
+        if num_positions <= self.cos_sin.shape[0]:
+            return
+        rows = min(self.cfg.max_position_embeddings, 1 << (num_positions - 1).bit_length())
+        table = rope_cos_sin(self.cfg, self.layer_id, max_positions=rows)
+        self.cos_sin = table.to(device=self.cos_sin.device, dtype=self.cos_sin.dtype)
+
+    def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """Random weights (for tests and benchmarks): normal(0, std) linears, small APE and sink."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+                elif name.endswith("ape") or name == "attn_sink":
+                    p.copy_(torch.randn(p.shape, generator=generator))
+                else:
+                    fan_in = p.shape[-1]
+                    p.copy_(torch.randn(p.shape, generator=generator) * fan_in ** -0.5)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _check(self, x: torch.Tensor, step: Step) -> None:
+        if not isinstance(step, Step):
+            raise DSV4TypeError.of("step", "a dsv4.cache.Step from PagedKVCache.plan_step", type(step).__name__)
+        md = step.metadata
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
+            raise DSV4ValueError.of("x", f"shape [T, {self.cfg.hidden_size}]", tuple(x.shape))
+        if x.shape[0] != md.num_tokens:
+            raise DSV4ValueError.of("x", f"{md.num_tokens} rows (the step's tokens)", x.shape[0])
+        if x.dtype != self.wq_a.weight.dtype:
+            raise DSV4TypeError.of("x", f"dtype {self.wq_a.weight.dtype} (the layer's parameters)", x.dtype)
+        if x.device != step.cache.device:
+            raise DSV4ValueError.of("x", f"device {step.cache.device} (the cache's)", x.device)
+        step.cache.check_profile(self.profile)
+        step.cache.layer(self.layer_id)
+        if not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf; never poison other requests' pages
+            bad = (~torch.isfinite(x)).any(-1).nonzero().flatten().tolist()
+            raise DSV4ValueError.of("x", "finite values", f"NaN/Inf in token rows {bad[:8]}")
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype."""
+        self._check(x, step)
+        self.reserve_positions(step.metadata.max_seq_len)
+        cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
+        kv_format = step.cache.kv_format
+        T, H, D = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        qr = self.q_norm(self.wq_a(x))
+        kv = self.kv_norm(self.wkv(x))
+        q = self.wq_b(qr).view(T, H, D)
+        q = ops.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
+                                  kv_format=kv_format, eps=cfg.rms_norm_eps, backend=be["qnorm_rope_insert"])
+
+        extra_cache = extra_indices = extra_lens = None
+        if self.compressor is not None:
+            rm = md.ratios[self.kind.ratio]
+            ops.compress_insert(
+                self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
+                rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
+                lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
+                out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
+            extra_cache = lc.compressed
+            if self.indexer is None:  # HCA: every visible compressed entry
+                extra_indices, extra_lens = rm.hca_indices, rm.hca_lens
+            else:  # CSA: the indexer's top-k (SPEC §6)
+                idx = self.indexer
+                ops.compress_insert(
+                    idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state,
+                    rm.state.block_table, rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight,
+                    self.cos_sin, lc.indexer_keys, rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim,
+                    out_format=step.cache.indexer_key_format, profile=self.profile, eps=cfg.rms_norm_eps,
+                    backend=be["compress_insert"])
+                iq = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim)
+                qi, wi = ops.indexer_q(iq, idx.weights_proj(x), md.positions, self.cos_sin, profile=self.profile,
+                                       backend=be["indexer_q"])
+                topk_local = ops.indexer_topk(qi, wi, md.positions, md.token_request, lc.indexer_keys,
+                                              rm.compressed.block_table, topk=cfg.index_topk,
+                                              key_format=step.cache.indexer_key_format, ratio=4,
+                                              backend=be["indexer_topk"])
+                extra_indices, extra_lens = topk_local_to_global(topk_local, md.token_request,
+                                                                 rm.compressed.block_table, rm.compressed.block_size)
+
+        o, _lse = ops.sparse_attention(q, lc.swa, md.swa_indices, md.swa_lens, extra_cache, extra_indices,
+                                       extra_lens, self.attn_sink, kv_format=kv_format, softmax_scale=D ** -0.5,
+                                       profile=self.profile, backend=be["sparse_attention"])
+        return ops.output_projection(o, md.positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
+                                     fp8_activations=self.fp8_output, backend=be["output_projection"])

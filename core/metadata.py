@@ -1,0 +1,139 @@
+"""Per-step metadata for a mixed batch of requests (SPEC §10).
+
+A step is a list of requests, each bringing ``num_tokens`` new tokens (a prefill, a chunk of a
+prefill, or one decode token). Tokens of a request are contiguous in the batch, requests in the
+order given. Everything a backend needs to place and find KV is derived here once per step, on the
+host, and copied to the cache's device; the hot path never recomputes it.
+
+Slot convention (SPEC §10): logical index ``i`` of a request in a group with page size ``B`` lives at
+``block_table[req][i // B] * B + i % B``; slot ``-1`` means "skip".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.specs.errors import DSV4ValueError
+
+__all__ = [
+    "GroupTable",
+    "RatioMetadata",
+    "StepMetadata",
+    "slots_from_block_table",
+    "topk_local_to_global",
+    "round_up",
+]
+
+# Index tables whose width depends on the context are padded to this multiple, which is what the
+# vendor kernels need (FlashMLA decode % 64, prefill % 128; vLLM's _C128A_TOPK_ALIGNMENT = 128).
+INDEX_ALIGNMENT = 128
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """Block table of one cache group for the requests of a step.
+
+    block_table: ``[R, max_blocks]`` int32, physical page of each logical page, -1 where none.
+    block_size: logical entries per page (tokens for SWA, compressed entries, state rows).
+    """
+
+    block_table: torch.Tensor
+    block_size: int
+
+
+@dataclass(frozen=True)
+class RatioMetadata:
+    """Metadata shared by every layer of one compress ratio ``r`` (4 or 128) in a step.
+
+    compressed_slot_mapping: ``[T]`` int64; slot of entry ``p // r`` where ``(p+1) % r == 0``, else -1.
+    state_slot_mapping: ``[T]`` int64; compressor-state row of position ``p``.
+    compressed: the compressed (and, for r=4, indexer-key) group's table.
+    state: the compressor-state group's table (indexed by absolute position).
+    hca_indices / hca_lens: r=128 only: ``[T, W]`` int32 global slots of every visible entry
+        ``i < (p+1)//128`` (-1 padded, W a multiple of 128) and ``[T]`` int32 counts.
+    """
+
+    ratio: int
+    compressed_slot_mapping: torch.Tensor
+    state_slot_mapping: torch.Tensor
+    compressed: GroupTable
+    state: GroupTable
+    hca_indices: torch.Tensor | None = None
+    hca_lens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Everything derived from (seq_len, query_len) per request and the block tables (SPEC §10).
+
+    positions: ``[T]`` int64 absolute positions. token_request: ``[T]`` int32 batch row of each
+    token. query_start_loc: ``[R+1]`` int32. seq_lens: ``[R]`` int32 lengths after this step.
+    swa_slot_mapping: ``[T]`` int64. swa_indices: ``[T, window]`` int32 global SWA slots of
+    positions ``max(0, p-window+1) .. p`` (-1 padded). swa_lens: ``[T]`` int32.
+    ratios: per compress ratio present in the cache. query_lens, max_seq_len: host-side copies
+    (no device sync needed to size tables).
+    """
+
+    request_ids: tuple
+    positions: torch.Tensor
+    token_request: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: tuple[int, ...]
+    max_seq_len: int
+    swa: GroupTable
+    swa_slot_mapping: torch.Tensor
+    swa_indices: torch.Tensor
+    swa_lens: torch.Tensor
+    ratios: dict[int, RatioMetadata] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def slots_from_block_table(
+    index: torch.Tensor, token_request: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Global slots of request-local indices (SPEC §10).
+
+    index: ``[T, K]`` or ``[T]`` integer, -1 (or any negative) for padding.
+    token_request: ``[T]`` batch row of each token. block_table: ``[R, max_blocks]`` int32.
+    Returns int64 of ``index``'s shape, -1 where ``index < 0`` or the page is not allocated.
+    """
+    squeeze = index.dim() == 1
+    idx = index.long().unsqueeze(-1) if squeeze else index.long()
+    valid = idx >= 0
+    safe = idx.clamp(min=0)
+    page = safe // block_size
+    rows = token_request.long().unsqueeze(-1).expand_as(page)
+    in_range = page < block_table.shape[1]
+    phys = block_table.long()[rows, page.clamp(max=block_table.shape[1] - 1)]
+    slots = phys * block_size + safe % block_size
+    slots = torch.where(valid & in_range & (phys >= 0), slots, torch.full_like(slots, -1))
+    return slots.squeeze(-1) if squeeze else slots
+
+
+def topk_local_to_global(
+    topk_local: torch.Tensor, token_request: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request-local compressed indices -> global slots of the compressed cache (SPEC §10).
+
+    topk_local: ``[T, K]`` int32, valid first, -1 padded (the indexer's canonical output).
+    Returns ``(global [T, K] int32, lens [T] int32)`` where lens counts the valid entries.
+    """
+    if topk_local.dim() != 2:
+        raise DSV4ValueError.of("topk_local", "a 2-D [T, K] tensor", tuple(topk_local.shape))
+    slots = slots_from_block_table(topk_local, token_request, block_table, block_size)
+    lens = (slots >= 0).sum(dim=-1).to(torch.int32)
+    return slots.to(torch.int32), lens

@@ -1,0 +1,104 @@
+"""Paged caches and step metadata (SPEC §9-§10): allocation, windows, slots, index lists."""
+import pytest
+import torch
+
+from dsv4.cache import OutOfBlocksError, PagedKVCache, StepRequest
+from dsv4.metadata import slots_from_block_table, topk_local_to_global
+from dsv4.specs.config import ModelConfig
+from dsv4.specs.errors import DSV4ValueError
+
+CFG = ModelConfig.preset("tiny")  # layers: 0 SWA, 1 CSA, 2 HCA
+
+
+def _slot(table: list[int], i: int, B: int) -> int:
+    return table[i // B] * B + i % B
+
+
+def test_slots_from_block_table_matches_formula():
+    bt = torch.tensor([[5, 2, -1], [7, 1, 3]], dtype=torch.int32)
+    idx = torch.tensor([[0, 3, 4, 9, -1], [11, 4, 0, -1, -1]])
+    req = torch.tensor([0, 1])
+    got = slots_from_block_table(idx, req, bt, 4)
+    want = torch.tensor([[20, 23, 8, -1, -1], [15, 4, 28, -1, -1]])  # 9 -> page 2 unallocated -> -1
+    assert torch.equal(got, want)
+
+
+def test_topk_local_to_global_counts_valid():
+    bt = torch.tensor([[3, 0]], dtype=torch.int32)
+    local = torch.tensor([[1, 0, 65, -1], [-1, -1, -1, -1]], dtype=torch.int32)
+    glob, lens = topk_local_to_global(local, torch.tensor([0, 0]), bt, 64)
+    assert glob.dtype == torch.int32
+    assert glob.tolist() == [[193, 192, 1, -1], [-1, -1, -1, -1]]
+    assert lens.tolist() == [3, 0]
+
+
+def test_mixed_step_metadata_is_what_the_formulas_say():
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    cache.plan_step([StepRequest("a", 300)])
+    step = cache.plan_step([StepRequest("a", 1), StepRequest("b", 130)]).metadata
+    assert step.positions[:3].tolist() == [300, 0, 1]
+    assert step.token_request.tolist() == [0] + [1] * 130
+    assert step.query_start_loc.tolist() == [0, 1, 131]
+    assert step.seq_lens.tolist() == [301, 130]
+    assert step.max_seq_len == 301
+    B = cache.groups["swa"].block_size
+    ta, tb = cache.groups["swa"].tables["a"], cache.groups["swa"].tables["b"]
+    # SWA window of the decode token at 300: positions 173..300 in order, all 128 valid
+    assert step.swa_lens[0] == CFG.sliding_window
+    assert step.swa_indices[0].tolist() == [_slot(ta, p, B) for p in range(173, 301)]
+    # token b@5 sees 0..5 then -1 padding
+    row = step.swa_indices[1 + 5].tolist()
+    assert row[:6] == [_slot(tb, p, B) for p in range(6)] and set(row[6:]) == {-1}
+    assert step.swa_slot_mapping[0] == _slot(ta, 300, B)
+    # compressed entries: slot only where (p+1) % r == 0
+    r4 = step.ratios[4]
+    c4 = cache.groups["c4"]
+    closes = [(int(p) + 1) % 4 == 0 for p in step.positions]
+    assert [(s >= 0) for s in r4.compressed_slot_mapping.tolist()] == closes
+    assert r4.compressed_slot_mapping[1 + 3] == _slot(c4.tables["b"], 0, c4.block_size)
+    # HCA lists: the decode at 300 sees entries 0 and 1 of "a"; b@127 sees entry 0 only
+    r128 = step.ratios[128]
+    c128 = cache.groups["c128"]
+    assert r128.hca_lens[0] == 2 and r128.hca_lens[1 + 127] == 1 and r128.hca_lens[1 + 126] == 0
+    assert r128.hca_indices[0, :2].tolist() == [_slot(c128.tables["a"], i, c128.block_size) for i in range(2)]
+    assert r128.hca_indices.shape[1] % 128 == 0
+
+
+def test_sliding_groups_free_pages_outside_their_window():
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    cache.plan_step([StepRequest("a", 1000)])
+    before = cache.free_pages()
+    cache.plan_step([StepRequest("a", 1)])
+    after = cache.free_pages()
+    table = cache.groups["swa"].tables["a"]
+    B = cache.groups["swa"].block_size
+    live = [i for i, p in enumerate(table) if p >= 0]
+    # the decode at position 1000 needs 873..1000: pages of older positions are back in the pool
+    assert min(live) == (1000 - CFG.sliding_window + 1) // B
+    assert after["swa"] > before["swa"] - 1
+    assert after["c4"] <= before["c4"]  # compressed groups keep everything
+
+
+def test_rejected_plan_changes_nothing():
+    cache = PagedKVCache(CFG, [0], num_blocks=4)
+    cache.plan_step([StepRequest("a", 64)])
+    snapshot = (cache.free_pages(), dict(cache.seq_lens), {k: list(v) for k, v in cache.groups["swa"].tables.items()})
+    with pytest.raises(OutOfBlocksError, match="swa"):
+        cache.plan_step([StepRequest("a", 10), StepRequest("b", 400)])
+    with pytest.raises(DSV4ValueError, match="num_tokens"):
+        cache.plan_step([StepRequest("c", 0)])
+    with pytest.raises(DSV4ValueError, match="at most once"):
+        cache.plan_step([StepRequest("a", 1), StepRequest("a", 1)])
+    assert snapshot == (cache.free_pages(), dict(cache.seq_lens),
+                        {k: list(v) for k, v in cache.groups["swa"].tables.items()})
+
+
+def test_free_returns_every_page():
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    empty = cache.free_pages()
+    cache.plan_step([StepRequest("a", 500), StepRequest("b", 3)])
+    cache.free("a")
+    cache.free("b")
+    assert cache.free_pages() == empty
+    with pytest.raises(DSV4ValueError, match="request_id"):
+        cache.free("a")
