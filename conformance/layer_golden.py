@@ -13,16 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from dsv4.cache import PagedKVCache, StepRequest
 from dsv4.conformance.tolerances import LAYER_GOLDEN
 from dsv4.layer import Attention
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
+from safetensors.torch import load_file, save_file
 
-__all__ = ["LayerGoldenReport", "load_layer_golden", "run_layer_golden", "judge_rows", "row_cosine"]
+__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "row_cosine", "run_layer_golden"]
 
 FORMAT = "dsv4-layer-golden/1"
 

@@ -1,7 +1,20 @@
 """dsv4: DeepSeek-V4 hybrid compressed attention, the same on every accelerator.
 
-The public API is re-exported here as the modules land (see docs/ARCHITECTURE.md).
+Public API (docs/ARCHITECTURE.md)::
+
+    cfg = dsv4.ModelConfig.preset("v4-flash")          # or ModelConfig.from_hf_config(config_json)
+    attn = dsv4.Attention(cfg, layer_id=2)              # official parameter names
+    cache = dsv4.PagedKVCache(cfg, [2], num_blocks=1024)
+    step = cache.plan_step([dsv4.StepRequest("r0", 300)])
+    y = attn(x, step)
+
+Names are resolved lazily so that ``import dsv4`` stays light and free of import cycles.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from dsv4.specs.errors import (
     BackendUnavailableError,
     CacheLayoutError,
@@ -14,6 +27,21 @@ from dsv4.specs.errors import (
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "ModelConfig": "dsv4.specs.config",
+    "RopeScaling": "dsv4.specs.config",
+    "LayerKind": "dsv4.specs.layer_kinds",
+    "NumericsProfile": "dsv4.specs.numerics",
+    "get_profile": "dsv4.specs.numerics",
+    "get_format": "dsv4.specs.formats",
+    "Attention": "dsv4.layer",
+    "PagedKVCache": "dsv4.cache",
+    "StepRequest": "dsv4.cache",
+    "Step": "dsv4.cache",
+    "StepMetadata": "dsv4.metadata",
+    "get_codec": "dsv4.codecs",
+}
+
 __all__ = [
     "__version__",
     "DSV4Error",
@@ -23,4 +51,17 @@ __all__ = [
     "CacheLayoutError",
     "BackendUnavailableError",
     "NoBackendError",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsv4' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -131,6 +131,7 @@ class PagedKVCache:
             another profile refuses it.
         kv_format: latent cache format (default: the profile's ``kv_format``).
         indexer_key_format: indexer key format (default: the profile's ``indexer_key_format``).
+        geometry: page geometry of ``dsv4.specs.geometry`` (``vllm``, ``ascend``, ``ascend-a5``).
     """
 
     def __init__(
@@ -142,9 +143,10 @@ class PagedKVCache:
         profile: str = "deepseek",
         kv_format: str | None = None,
         indexer_key_format: str | None = None,
+        geometry: str = "vllm",
     ):
         from dsv4.codecs import get_codec
-        from dsv4.specs.geometry import group_geometry
+        from dsv4.specs.geometry import cache_geometry
 
         self.cfg = cfg
         self.device = torch.device(device)
@@ -158,7 +160,10 @@ class PagedKVCache:
         kinds = {i: cfg.layer_kind(i) for i in self.layer_ids}
         self.window = cfg.sliding_window
 
-        geometry = group_geometry(cfg)  # {group name: (block_size, window or None)}
+        geo = cache_geometry(cfg, profile, geometry, kv_format=self.kv_format,
+                             indexer_key_format=self.indexer_key_format)
+        self.kv_format, self.indexer_key_format = geo.kv_format, geo.indexer_key_format
+        spec_names = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
         wanted = {"swa"}
         for kind in set(kinds.values()):
             if kind.has_compressor:
@@ -172,8 +177,14 @@ class PagedKVCache:
 
         self.groups: dict[str, _Group] = {}
         for name in sorted(wanted):
-            block_size, window = geometry[name]
-            self.groups[name] = _Group(name, block_size, pages(name), window)
+            g = geo.group(spec_names[name])
+            self.groups[name] = _Group(name, g.entries_per_page, pages(name), g.window)
+        if "c4" in self.groups:  # the indexer keys and state share the c4 tables (same page geometry)
+            for shared, own in (("c4_indexer_keys", "c4"), ("c4_indexer_state", "state4")):
+                if geo.group(shared).entries_per_page != self.groups[own].block_size:
+                    raise CacheLayoutError.of(f"geometry {geometry!r} group {shared!r}",
+                                              f"{self.groups[own].block_size} entries a page (as {own!r})",
+                                              geo.group(shared).entries_per_page)
 
         kv_codec = get_codec(self.kv_format)
         self.layers: dict[int, LayerCache] = {}

@@ -1,0 +1,126 @@
+"""Shared Triton helpers: exact roundings and codecs that behave the same on every target.
+
+Why hand-written roundings: under ``TRITON_INTERPRET=1`` (CPU CI) Triton 3.9 truncates fp32 -> bf16
+and mis-rounds fp32 -> float8e4nv at binade edges, and ROCm gfx942 has a different (FNUZ) e4m3.
+The integer forms below are exact round-to-nearest-even everywhere and cost a few integer ops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRET",
+    "ceil_log2_exponent",
+    "decode_e4m3",
+    "dot_dtype",
+    "encode_e4m3",
+    "fp4_code",
+    "next_pow2",
+    "pow2_from_exponent",
+    "rne_integer",
+    "round_bf16",
+    "simulate_fp4",
+    "to_bf16",
+]
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_dtype() -> torch.dtype:
+    """Operand dtype for ``tl.dot`` on bf16-exact values: bf16 on a GPU, fp32 under the interpreter.
+
+    The interpreter's ``tl.dot`` on bf16 operands returns garbage while fp32 operands are exact;
+    every value we feed a dot is bf16-representable, so fp32 operands compute the same function.
+    """
+    return torch.float32 if INTERPRET else torch.bfloat16
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (Triton block shapes are powers of two)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@triton.jit
+def rne_integer(x):
+    """Round fp32 ``x`` (|x| < 2**22) to the nearest integer, ties to even (still fp32)."""
+    # Adding and removing 2**23 leaves only integer bits; IEEE addition rounds to nearest even.
+    magic = 8388608.0
+    return tl.where(x >= 0, (x + magic) - magic, -((-x + magic) - magic))
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> fp32 holding bf16(x), round to nearest even (NaN not handled)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = bits & -65536  # keep the high 16 bits (0xFFFF0000 as int32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 -> bf16 tensor, round to nearest even."""
+    return round_bf16(x).to(tl.bfloat16)
+
+
+@triton.jit
+def pow2_from_exponent(e):
+    """int32 exponent e in [-126, 127] -> fp32 2**e (built from bits, exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ceil_log2_exponent(x):
+    """int32 ceil(log2(x)) for normal fp32 x > 0, exactly (SPEC §9.1 pow2 scales)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 255) - 127
+    mantissa = bits & 0x7FFFFF
+    return exponent + (mantissa != 0).to(tl.int32)
+
+
+@triton.jit
+def encode_e4m3(v):
+    """fp32 v with |v| <= 448 -> uint8 e4m3fn code, round to nearest even (OCP e4m3fn)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    exponent = ((bits >> 23) & 255) - 127
+    # Below 2**-6 the grid is the subnormal one (step 2**-9), so clamp the binade to -6.
+    binade = tl.maximum(exponent, -6)
+    inv_step = ((130 - binade) << 23).to(tl.float32, bitcast=True)  # 2**(3 - binade)
+    steps = rne_integer(tl.abs(v) * inv_step)  # 0..16; 16 carries into the next binade
+    code = (binade + 6) * 8 + steps.to(tl.int32)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def decode_e4m3(byte):
+    """uint8 e4m3fn code -> fp32 value (exact; 0x7f/0xff NaN codes are not produced by writers)."""
+    b = byte.to(tl.int32)
+    exponent = (b >> 3) & 15
+    mantissa = b & 7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125,  # 2**-9
+                         normal.to(tl.float32, bitcast=True))
+    return tl.where((b & 128) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def fp4_code(magnitude):
+    """e2m1 magnitude on the grid {0,.5,1,1.5,2,3,4,6} -> 3-bit code (index in that grid)."""
+    return tl.where(magnitude < 2.0, magnitude * 2.0,
+                    tl.where(magnitude < 4.0, magnitude + 2.0,
+                             tl.where(magnitude < 5.0, 6.0, 7.0))).to(tl.int32)
+
+
+@triton.jit
+def simulate_fp4(x):
+    """Scaled fp32 x -> nearest e2m1 value (ties to even code), saturating at 6 (SPEC §6.6)."""
+    a = tl.abs(x)
+    q = tl.where(a < 2.0, rne_integer(a * 2.0) * 0.5,
+                 tl.where(a < 4.0, rne_integer(a), rne_integer(a * 0.5) * 2.0))
+    q = tl.minimum(q, 6.0)
+    return tl.where(x < 0, -q, q)

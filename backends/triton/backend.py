@@ -1,0 +1,267 @@
+"""``TritonBackend``: validates at the boundary (no device syncs), derives layouts from the
+format specs, and launches the kernels of this folder (imported on first use)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from dsv4.backend import Backend, Capabilities, OpRequest
+from dsv4.backends.triton.capabilities import CAPABILITIES, probe_reasons
+from dsv4.backends.triton.layout import key_layout, latent_layout
+from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
+from dsv4.specs.numerics import get_profile
+
+__all__ = ["TritonBackend"]
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise DSV4TypeError.of(name, f"a torch.Tensor of {dtype}", type(t).__name__)
+    if t.dtype != dtype:
+        raise DSV4TypeError.of(name, f"dtype {dtype}", t.dtype)
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise DSV4ValueError.of(name, f"shape {wanted}", list(t.shape))
+
+
+def _check_cos_sin(cos_sin: torch.Tensor, rope_dim: int) -> None:
+    _check_dtype("cos_sin", cos_sin, torch.float32)
+    _check_shape("cos_sin", cos_sin, (None, rope_dim))
+    if cos_sin.stride(1) != 1:
+        raise DSV4ValueError.of("cos_sin", "unit stride along the last dim", cos_sin.stride())
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    # Kernels index the last dim with unit stride.
+    if t.dim() and t.stride(-1) != 1:
+        raise DSV4ValueError.of(name, "unit stride along the last dim", t.stride())
+
+
+class TritonBackend(Backend):
+    """Every op of ARCHITECTURE §3 in Triton (GPU, or CPU under ``TRITON_INTERPRET=1``)."""
+
+    name: ClassVar[str] = "triton"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    packages: ClassVar[tuple[str, ...]] = ("triton",)
+
+    def probe(self) -> list[str]:
+        return probe_reasons()
+
+    def not_supported_reasons(self, request: OpRequest) -> list[str]:
+        reasons = super().not_supported_reasons(request)
+        if request.device_type == "cpu" and not _interpreting():
+            reasons.append("CPU tensors need TRITON_INTERPRET=1")
+        return reasons
+
+    def _device_check(self, name: str, t: torch.Tensor) -> None:
+        if t.device.type == "cpu" and not _interpreting():
+            raise BackendUnavailableError.of(name, "a GPU tensor (or TRITON_INTERPRET=1 for CPU)", t.device)
+
+    # ---- ops -------------------------------------------------------------------------------------
+    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, *,
+                          kv_format: str, eps: float, profile: str = "deepseek") -> torch.Tensor:
+        """q [T,H,512] bf16 -> q_out [T,H,512] bf16; kv [T,512] bf16 roped and written (SPEC §3)."""
+        from dsv4.backends.triton import qnorm_rope_insert as kernels
+
+        _check_dtype("q", q, torch.bfloat16)
+        self._device_check("q", q)
+        _check_shape("q", q, (None, None, None))
+        num_tokens, _, dim = q.shape
+        layout = latent_layout(kv_format, swa_cache)
+        _check_shape("q", q, (num_tokens, None, layout.row_dim))
+        _check_dtype("kv", kv, torch.bfloat16)
+        _check_shape("kv", kv, (num_tokens, dim))
+        _check_dtype("positions", positions, torch.int64)
+        _check_shape("positions", positions, (num_tokens,))
+        _check_cos_sin(cos_sin, layout.rope_dim)
+        _check_dtype("swa_slot_mapping", swa_slot_mapping, torch.int64)
+        _check_shape("swa_slot_mapping", swa_slot_mapping, (num_tokens,))
+        _check_rows("q", q)
+        _check_rows("kv", kv)
+        return kernels.qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, layout, swa_slot_mapping,
+                                         eps=float(eps), deepseek_qnorm=get_profile(profile).name == "deepseek")
+
+    def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
+                        state_slot_mapping, ape, norm_weight, cos_sin, out_cache, out_slot_mapping, *,
+                        ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
+        """kv_score [T, 2*coff*d] fp32 -> state rows and compressed cache rows (SPEC §5)."""
+        from dsv4.backends.triton import compressor
+        from dsv4.hadamard import hadamard_matrix
+
+        if ratio not in (4, 128):
+            raise DSV4ValueError.of("ratio", "4 or 128", ratio)
+        indexer_keys = out_format.startswith("indexer_")
+        layout = key_layout(out_format, out_cache, "out_cache") if indexer_keys \
+            else latent_layout(out_format, out_cache, "out_cache")
+        expected_dim = layout.dim if indexer_keys else layout.row_dim
+        if head_dim != expected_dim:
+            raise DSV4ValueError.of("head_dim", f"{expected_dim} for out_format {out_format}", head_dim)
+        coff = 2 if ratio == 4 else 1
+        width = 2 * coff * head_dim
+        _check_dtype("kv_score", kv_score, torch.float32)
+        self._device_check("kv_score", kv_score)
+        _check_shape("kv_score", kv_score, (None, width))
+        _check_rows("kv_score", kv_score)
+        num_tokens = kv_score.shape[0]
+        _check_dtype("positions", positions, torch.int64)
+        _check_shape("positions", positions, (num_tokens,))
+        _check_dtype("token_request", token_request, torch.int32)
+        _check_shape("token_request", token_request, (num_tokens,))
+        _check_dtype("state_cache", state_cache, torch.float32)  # SPEC §12: state must be fp32
+        _check_shape("state_cache", state_cache, (None, None, width))
+        if not state_cache.is_contiguous():
+            raise DSV4ValueError.of("state_cache", "a contiguous tensor", state_cache.stride())
+        _check_dtype("state_block_table", state_block_table, torch.int32)
+        _check_shape("state_block_table", state_block_table, (None, None))
+        _check_dtype("state_slot_mapping", state_slot_mapping, torch.int64)
+        _check_shape("state_slot_mapping", state_slot_mapping, (num_tokens,))
+        _check_dtype("ape", ape, torch.float32)
+        _check_shape("ape", ape, (ratio, coff * head_dim))
+        _check_rows("ape", ape)
+        _check_dtype("norm_weight", norm_weight, torch.float32)
+        _check_shape("norm_weight", norm_weight, (head_dim,))
+        rope_dim = layout.rope_dim if not indexer_keys else cos_sin.shape[1]
+        _check_cos_sin(cos_sin, rope_dim)
+        _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
+        _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
+        numerics = get_profile(profile)
+        hadamard = None
+        if indexer_keys and numerics.indexer_hadamard:
+            hadamard = hadamard_matrix(head_dim, torch.float32, kv_score.device)
+        compressor.compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
+                                   state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
+                                   out_slot_mapping, ratio=ratio, head_dim=head_dim,
+                                   deepseek_rounding=numerics.compressor_rounding == "deepseek",
+                                   hadamard=hadamard, rope_dim=rope_dim, eps=float(eps))
+
+    def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
+        """index_q [T,64,128] bf16, weights [T,64] -> (q [T,64,128] bf16, w [T,64] fp32) (SPEC §6.1-6.2)."""
+        from dsv4.backends.triton import indexer
+        from dsv4.hadamard import hadamard_matrix
+
+        _check_dtype("index_q", index_q, torch.bfloat16)
+        self._device_check("index_q", index_q)
+        _check_shape("index_q", index_q, (None, None, None))
+        num_tokens, heads, dim = index_q.shape
+        if weights.dtype not in (torch.bfloat16, torch.float32):
+            raise DSV4TypeError.of("weights", "dtype bfloat16 or float32", weights.dtype)
+        _check_shape("weights", weights, (num_tokens, heads))
+        _check_rows("weights", weights)
+        _check_dtype("positions", positions, torch.int64)
+        _check_shape("positions", positions, (num_tokens,))
+        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        numerics = get_profile(profile)
+        if numerics.indexer_quant not in ("fp4", "fp8"):
+            raise DSV4ValueError.of("profile", "a profile with fp4 or fp8 indexer quantization (Triton)",
+                                    numerics.name)
+        hadamard = hadamard_matrix(dim, torch.float32, index_q.device) if numerics.indexer_hadamard else None
+        from dsv4.specs.formats import get_format
+
+        return indexer.indexer_q(index_q, weights, positions, cos_sin, hadamard=hadamard,
+                                 quant=numerics.indexer_quant, rope_dim=cos_sin.shape[1],
+                                 fp4_block=get_format("indexer_mxfp4").quant_block)
+
+    def indexer_topk(self, q, w, positions, token_request, key_cache, key_block_table, *,
+                     topk: int, key_format: str, ratio: int = 4) -> torch.Tensor:
+        """-> [T, topk] int32 request-local indices, valid first, -1 padded (SPEC §6.3)."""
+        from dsv4.backends.triton import indexer
+
+        _check_dtype("q", q, torch.bfloat16)
+        self._device_check("q", q)
+        _check_shape("q", q, (None, None, None))
+        num_tokens, heads, _ = q.shape
+        _check_dtype("w", w, torch.float32)
+        _check_shape("w", w, (num_tokens, heads))
+        _check_dtype("positions", positions, torch.int64)
+        _check_shape("positions", positions, (num_tokens,))
+        _check_dtype("token_request", token_request, torch.int32)
+        _check_shape("token_request", token_request, (num_tokens,))
+        _check_dtype("key_block_table", key_block_table, torch.int32)
+        _check_shape("key_block_table", key_block_table, (None, None))
+        if not isinstance(topk, int) or topk <= 0:
+            raise DSV4ValueError.of("topk", "a positive int", topk)
+        if not isinstance(ratio, int) or ratio <= 0:
+            raise DSV4ValueError.of("ratio", "a positive int", ratio)
+        layout = key_layout(key_format, key_cache)
+        _check_shape("q", q, (num_tokens, heads, layout.dim))
+        return indexer.indexer_topk(q, w, positions, token_request, key_cache, layout,
+                                    key_block_table.contiguous(), topk=topk, ratio=ratio)
+
+    def sparse_attention(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                         extra_lens, sink, *, kv_format: str, softmax_scale: float, profile: str,
+                         **tuning):
+        """q [T,H,512] bf16 -> (out [T,H,512] bf16, lse [T,H] fp32) (SPEC §7).
+
+        ``tuning`` (num_splits, block_heads, block_keys, num_warps, num_stages) is for benchmarks.
+        """
+        from dsv4.backends.triton import sparse_attention as kernels
+
+        _check_dtype("q", q, torch.bfloat16)
+        self._device_check("q", q)
+        _check_shape("q", q, (None, None, None))
+        _check_rows("q", q)
+        num_tokens, heads, _dim = q.shape
+        swa_layout = latent_layout(kv_format, swa_cache)
+        _check_shape("q", q, (num_tokens, heads, swa_layout.row_dim))
+        _check_dtype("swa_indices", swa_indices, torch.int32)
+        _check_shape("swa_indices", swa_indices, (num_tokens, None))
+        _check_rows("swa_indices", swa_indices)
+        _check_dtype("swa_lens", swa_lens, torch.int32)
+        _check_shape("swa_lens", swa_lens, (num_tokens,))
+        extra_layout = None
+        if extra_cache is not None:
+            if extra_indices is None or extra_lens is None:
+                raise DSV4ValueError.of("extra_indices/extra_lens", "tensors when extra_cache is given", None)
+            extra_layout = latent_layout(kv_format, extra_cache, "extra_cache")
+            _check_dtype("extra_indices", extra_indices, torch.int32)
+            _check_shape("extra_indices", extra_indices, (num_tokens, None))
+            _check_rows("extra_indices", extra_indices)
+            _check_dtype("extra_lens", extra_lens, torch.int32)
+            _check_shape("extra_lens", extra_lens, (num_tokens,))
+        if sink is None:
+            raise DSV4ValueError.of("sink", "an fp32 [H] tensor (SPEC §12: a missing sink is an error)", None)
+        _check_dtype("sink", sink, torch.float32)
+        _check_shape("sink", sink, (heads,))
+        numerics = get_profile(profile)
+        return kernels.sparse_attention(q, swa_cache, swa_layout, swa_indices, swa_lens, extra_cache,
+                                        extra_layout, extra_indices, extra_lens, sink.contiguous(),
+                                        softmax_scale=float(softmax_scale),
+                                        probs_bf16=numerics.attention_probs_bf16, **tuning)
+
+    def output_projection(self, o, positions, cos_sin, wo_a, wo_b, *, fp8_activations: bool) -> torch.Tensor:
+        """o [T,H,512] bf16 -> [T, hidden] bf16 (SPEC §3 steps 6-7, §8)."""
+        from dsv4.backends.triton import output_projection as kernels
+
+        _check_dtype("o", o, torch.bfloat16)
+        self._device_check("o", o)
+        _check_shape("o", o, (None, None, None))
+        _check_rows("o", o)
+        num_tokens, heads, dim = o.shape
+        _check_dtype("positions", positions, torch.int64)
+        _check_shape("positions", positions, (num_tokens,))
+        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        _check_dtype("wo_a", wo_a, torch.bfloat16)
+        _check_dtype("wo_b", wo_b, torch.bfloat16)
+        _check_shape("wo_a", wo_a, (None, None))
+        if wo_a.shape[1] <= 0 or (heads * dim) % wo_a.shape[1] or wo_a.shape[1] % dim:
+            raise DSV4ValueError.of("wo_a", f"shape [G*o_lora, (H/G)*{dim}] with G dividing H={heads}",
+                                    list(wo_a.shape))
+        groups = heads * dim // wo_a.shape[1]
+        if wo_a.shape[0] % groups:
+            raise DSV4ValueError.of("wo_a", f"a first dim divisible by G={groups}", list(wo_a.shape))
+        _check_shape("wo_b", wo_b, (None, wo_a.shape[0]))
+        from dsv4.specs.formats import get_format
+
+        fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
+        return kernels.output_projection(o, positions, cos_sin, wo_a.contiguous(), wo_b,
+                                         fp8_activations=bool(fp8_activations),
+                                         rope_dim=get_format("fp8_ds_mla").rope_dim, fp8_block=fp8_block)
+
+
+def _interpreting() -> bool:
+    from dsv4.backends.triton.capabilities import _interpreting as interpreting
+
+    return interpreting()

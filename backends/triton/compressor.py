@@ -1,0 +1,194 @@
+"""Fused compressor (SPEC §5): state save with APE, then per closing block gather + per-channel
+softmax + weighted RMSNorm + RoPE + (indexer: Hadamard) + quantize + insert.
+
+Three launches over all T tokens (prefill and decode tokens mixed): ``_save_state_kernel`` writes
+every token's state row first, so a block closing in this call sees rows written by it (SPEC §5.4);
+``_pool_kernel`` pools channel chunks of each closing block into an fp32 scratch; ``_finish_kernel``
+normalises, rotates, quantizes and writes the cache row. Tokens that close no block exit at once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dsv4.backends.triton._common import (
+    INTERPRET,
+    ceil_log2_exponent,
+    encode_e4m3,
+    fp4_code,
+    next_pow2,
+    pow2_from_exponent,
+    round_bf16,
+    simulate_fp4,
+)
+from dsv4.backends.triton.layout import KeyLayout, LatentLayout
+from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
+
+__all__ = ["compress_insert"]
+
+# Output kinds of _finish_kernel.
+_OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
+
+
+@triton.jit
+def _save_state_kernel(kv_score, stride_t, positions, slot_mapping, state, ape, stride_ape,
+                       ratio, HALF: tl.constexpr, BW: tl.constexpr):
+    # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32.
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    slot = tl.load(slot_mapping + t)
+    if slot >= 0:
+        cols = chunk * BW + tl.arange(0, BW)
+        ok = cols < 2 * HALF
+        x = tl.load(kv_score + t * stride_t + cols, mask=ok, other=0.0)
+        phase = tl.load(positions + t) % ratio
+        bias = tl.load(ape + phase * stride_ape + (cols - HALF), mask=ok & (cols >= HALF), other=0.0)
+        tl.store(state + slot * (2 * HALF) + cols, x + bias, mask=ok)
+
+
+@triton.jit
+def _pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
+                 pooled, ratio, D: tl.constexpr, HALF: tl.constexpr, WINDOW: tl.constexpr,
+                 WINDOW_P2: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    p = tl.load(positions + t)
+    out_slot = tl.load(out_slot_mapping + t)
+    if (out_slot >= 0) & ((p + 1) % ratio == 0):
+        request = tl.load(token_request + t).to(tl.int64)
+        j = tl.arange(0, WINDOW_P2)
+        in_window = j < WINDOW
+        q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
+        live = in_window & (q >= 0)
+        q_safe = tl.where(live, q, 0)
+        page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
+        rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
+        # r = 4: the first r rows (previous block) use columns [0:d], the last r use [d:2d].
+        part = j // ratio
+        cols = chunk * BD + tl.arange(0, BD)
+        kv_col = part[:, None] * D + cols[None, :]
+        base = state + rows[:, None] * (2 * HALF)
+        kv = tl.load(base + kv_col, mask=live[:, None], other=0.0)
+        score = tl.load(base + HALF + kv_col, mask=live[:, None], other=float("-inf"))
+        top = tl.max(score, 0)
+        e = tl.exp(score - top[None, :])
+        weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
+        tl.store(pooled + t * D + cols, tl.sum(weight * kv, 0))
+
+
+@triton.jit
+def _finish_kernel(positions, out_slot_mapping, pooled, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale,
+                   ratio, eps,
+                   u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                   scale_offset, scale_stride,
+                   D: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, QBLOCK: tl.constexpr,
+                   SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
+                   DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(positions + t)
+    out_slot = tl.load(out_slot_mapping + t)
+    if (out_slot >= 0) & ((p + 1) % ratio == 0):
+        cols = tl.arange(0, D)
+        partner_cols = cols ^ 1
+        c = tl.load(pooled + t * D + cols)
+        c_partner = tl.load(pooled + t * D + partner_cols)
+        w = tl.load(norm_weight + cols)
+        w_partner = tl.load(norm_weight + partner_cols)
+        if DEEPSEEK_ROUNDING:
+            c = round_bf16(c)
+            c_partner = round_bf16(c_partner)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(c * c, 0) / D + eps))
+        n = c * inv * w
+        n_partner = c_partner * inv * w_partner
+        if DEEPSEEK_ROUNDING:
+            n = round_bf16(n)
+            n_partner = round_bf16(n_partner)
+        # SPEC §4: a compressed entry rotates at the first position of its block.
+        cs_row = cos_sin + ((p // ratio) * ratio) * stride_cs
+        in_rope = cols >= NOPE
+        pair = tl.where(in_rope, (cols - NOPE) // 2, 0)
+        cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
+        sin = tl.load(cs_row + ROPE // 2 + pair, mask=in_rope, other=0.0)
+        odd = (cols & 1) == 1
+        rotated = tl.where(odd, n * cos + n_partner * sin, n * cos - n_partner * sin)
+        row = round_bf16(tl.where(in_rope, rotated, n))
+        if HADAMARD:
+            # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round.
+            h = tl.load(hadamard + cols[:, None] * D + cols[None, :])
+            row = round_bf16(tl.sum(row[:, None] * h, 0) * hadamard_scale)
+        if OUT_KIND == 0:
+            write_latent_row(u8_ptr, bf16_ptr, out_slot, row, cols, block_size, page_stride, token_stride,
+                             nope_offset, rope_offset, scale_offset, scale_stride, FP8, D, NOPE, QBLOCK,
+                             SCALE_ROW)
+        else:
+            slot = out_slot.to(tl.int64)
+            page_base = (slot // block_size) * page_stride
+            in_page = slot % block_size
+            if OUT_KIND == 1:
+                # SPEC §9.3 fp8 keys: one pow2 scale per vector, 2**ceil(log2(max(amax,1e-4)/448)).
+                amax = tl.maximum(tl.max(tl.abs(row), 0), 1e-4)
+                e = ceil_log2_exponent(tl.div_rn(amax, 448.0))
+                scaled = tl.minimum(tl.maximum(row * pow2_from_exponent(-e), -448.0), 448.0)
+                tl.store(u8_ptr + page_base + in_page * token_stride + cols, encode_e4m3(scaled))
+                scale_ptr = (u8_ptr + page_base + scale_offset + in_page * scale_stride).to(
+                    tl.pointer_type(tl.float32))
+                tl.store(scale_ptr, pow2_from_exponent(e))
+            else:
+                # SPEC §9.3 mxfp4 keys: e2m1 per QBLOCK with UE8M0 scales, nibbles packed low-first.
+                blocks = tl.reshape(row, (D // QBLOCK, QBLOCK))
+                amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
+                e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
+                scaled = blocks * pow2_from_exponent(-e)[:, None]
+                q = simulate_fp4(scaled)
+                code = fp4_code(tl.abs(q)) | ((q < 0) | ((q == 0) & (scaled < 0))).to(tl.int32) * 8
+                code = tl.reshape(code, (D // 2, 2))
+                low, high = tl.split(code)
+                tl.store(u8_ptr + page_base + in_page * token_stride + tl.arange(0, D // 2),
+                         (low | (high << 4)).to(tl.uint8))
+                tl.store(u8_ptr + page_base + scale_offset + in_page * scale_stride + tl.arange(0, D // QBLOCK),
+                         (e + 127).to(tl.uint8))
+
+
+def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                    state_cache: torch.Tensor, state_block_table: torch.Tensor,
+                    state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                    cos_sin: torch.Tensor, out_cache: torch.Tensor, out_layout: LatentLayout | KeyLayout,
+                    out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, deepseek_rounding: bool,
+                    hadamard: torch.Tensor | None, rope_dim: int, eps: float) -> None:
+    """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2."""
+    num_tokens = kv_score.shape[0]
+    if num_tokens == 0:
+        return
+    coff = 2 if ratio == 4 else 1
+    half = coff * head_dim
+    bw = 256 if INTERPRET else 1024
+    _save_state_kernel[(num_tokens, triton.cdiv(2 * half, bw))](
+        kv_score, kv_score.stride(0), positions, state_slot_mapping, state_cache, ape, ape.stride(0),
+        ratio, HALF=half, BW=bw)
+    pooled = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=kv_score.device)
+    window = coff * ratio
+    bd = min(head_dim, 64 if window > 16 else 128)
+    _pool_kernel[(num_tokens, head_dim // bd)](
+        positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
+        state_cache.shape[1], pooled, ratio, D=head_dim, HALF=half, WINDOW=window, WINDOW_P2=next_pow2(window),
+        BD=bd)
+    if isinstance(out_layout, LatentLayout):
+        kind, fp8 = _OUT_LATENT, out_layout.fp8_nope
+        u8, bf16 = out_layout.byte_views(out_cache)
+        args = out_layout.kernel_args()
+        nope, qblock = out_layout.nope_dim, out_layout.quant_block
+        scale_row = next_pow2(max(out_layout.scale_row_bytes, 1)) if fp8 else 1
+    else:
+        kind = _OUT_KEY_FP8 if out_layout.format_name == "indexer_fp8" else _OUT_KEY_MXFP4
+        fp8 = False
+        u8 = bf16 = out_cache
+        block, stride, value_bytes, scale_offset, scale_bytes = out_layout.kernel_args()
+        args = (block, stride, value_bytes, 0, 0, scale_offset, scale_bytes)
+        nope, qblock, scale_row = head_dim - rope_dim, out_layout.quant_block, 1
+    use_hadamard = hadamard is not None
+    _finish_kernel[(num_tokens,)](
+        positions, out_slot_mapping, pooled, norm_weight, cos_sin, cos_sin.stride(0),
+        hadamard if use_hadamard else pooled, head_dim ** -0.5, ratio, eps,
+        u8, bf16, *args,
+        D=head_dim, NOPE=nope, ROPE=rope_dim, QBLOCK=qblock, SCALE_ROW=scale_row, FP8=fp8, OUT_KIND=kind,
+        DEEPSEEK_ROUNDING=deepseek_rounding, HADAMARD=use_hadamard)

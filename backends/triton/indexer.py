@@ -1,0 +1,189 @@
+"""Lightning Indexer (SPEC §6): query prep (RoPE, Hadamard, quantization, weights) and scoring.
+
+``indexer_q``: one program per (token, block of heads). ``indexer_topk``: a Triton kernel writes
+``logit[t, j] = sum_h w[t,h] relu(q[t,h] . k[j])`` for every request-local entry j (keys read in
+place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)//r``); the top-k
+then runs as ``torch.topk`` over those logits (first version, see docs/triton.md). Rows whose
+visible count is <= topk skip scoring (SPEC §6.3 short-context shortcut).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dsv4.backends.triton._common import (
+    INTERPRET,
+    ceil_log2_exponent,
+    decode_e4m3,
+    encode_e4m3,
+    pow2_from_exponent,
+    round_bf16,
+    simulate_fp4,
+    to_bf16,
+)
+from dsv4.backends.triton.layout import KeyLayout
+
+__all__ = ["indexer_logits", "indexer_q", "indexer_topk"]
+
+_QUANT_FP4, _QUANT_FP8 = 0, 1
+
+
+@triton.jit
+def _indexer_q_kernel(q_ptr, stride_qt, stride_qh, weights, stride_wt, positions, cos_sin, stride_cs,
+                      hadamard, hadamard_scale, out_ptr, w_out, weight_scale, num_heads,
+                      D: tl.constexpr, ROPE: tl.constexpr, BH: tl.constexpr, HADAMARD: tl.constexpr,
+                      QUANT: tl.constexpr, FP4_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = heads < num_heads
+    cols = tl.arange(0, D)
+    base = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    x = tl.load(base + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(base + (cols ^ 1)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    nope = D - ROPE
+    in_rope = cols >= nope
+    pair = tl.where(in_rope, (cols - nope) // 2, 0)
+    cs_row = cos_sin + tl.load(positions + t) * stride_cs
+    cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
+    sin = tl.load(cs_row + ROPE // 2 + pair, mask=in_rope, other=0.0)
+    odd = (cols & 1) == 1
+    rotated = tl.where(odd, x * cos[None, :] + partner * sin[None, :], x * cos[None, :] - partner * sin[None, :])
+    q = round_bf16(tl.where(in_rope[None, :], rotated, x))  # SPEC §6.1: fp32 math, bf16 round
+    if HADAMARD:
+        # SPEC §6.5: +-1 matrix products are exact in bf16; fp32 accumulation; one bf16 round.
+        h = tl.load(hadamard + cols[:, None] * D + cols[None, :]).to(DOT_DTYPE)
+        q = round_bf16(tl.dot(q.to(DOT_DTYPE), h) * hadamard_scale)
+    if QUANT == 0:
+        # SPEC §6.6 deepseek: e2m1 per 32, scale 2**ceil(log2(max(amax, 6*2^-126)/6)).
+        blocks = tl.reshape(q, (BH, D // FP4_BLOCK, FP4_BLOCK))
+        amax = tl.maximum(tl.max(tl.abs(blocks), 2), 6.0 * 1.1754943508222875e-38)
+        e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
+        scaled = blocks * pow2_from_exponent(-e)[:, :, None]
+        q = tl.reshape(simulate_fp4(scaled) * pow2_from_exponent(e)[:, :, None], (BH, D))
+    else:
+        # SPEC §6.6 vllm: e4m3 with one pow2 scale per 128-vector.
+        amax = tl.maximum(tl.max(tl.abs(q), 1), 1e-4)
+        e = ceil_log2_exponent(tl.div_rn(amax, 448.0))
+        scaled = tl.minimum(tl.maximum(q * pow2_from_exponent(-e)[:, None], -448.0), 448.0)
+        q = decode_e4m3(encode_e4m3(scaled)) * pow2_from_exponent(e)[:, None]
+    tl.store(out_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], to_bf16(q), mask=ok[:, None])
+    w = tl.load(weights + t * stride_wt + heads, mask=ok, other=0.0).to(tl.float32)
+    tl.store(w_out + t * num_heads + heads, w * weight_scale, mask=ok)
+
+
+@triton.jit
+def _load_keys(u8_ptr, f32_ptr, slots, valid, cols, block_size, page_stride, value_bytes, scale_offset,
+               scale_bytes, MXFP4: tl.constexpr, QBLOCK: tl.constexpr):
+    """Dequantized indexer keys [BN, 128] fp32 at ``slots`` (SPEC §9.3); invalid rows read 0."""
+    safe = tl.where(valid, slots, 0).to(tl.int64)
+    page_base = (safe // block_size) * page_stride
+    in_page = safe % block_size
+    value_base = (page_base + in_page * value_bytes)[:, None]
+    scale_base = (page_base + scale_offset + in_page * scale_bytes)[:, None]
+    if MXFP4:
+        byte = tl.load(u8_ptr + value_base + cols[None, :] // 2, mask=valid[:, None], other=0).to(tl.int32)
+        code = (byte >> ((cols[None, :] & 1) * 4)) & 15
+        magnitude_code = code & 7
+        exponent = magnitude_code >> 1
+        normal = pow2_from_exponent(exponent - 1) * (1.0 + (magnitude_code & 1).to(tl.float32) * 0.5)
+        magnitude = tl.where(magnitude_code < 2, magnitude_code.to(tl.float32) * 0.5, normal)
+        value = tl.where((code & 8) != 0, -magnitude, magnitude)
+        scale_byte = tl.load(u8_ptr + scale_base + cols[None, :] // QBLOCK, mask=valid[:, None], other=127)
+        return value * (scale_byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        byte = tl.load(u8_ptr + value_base + cols[None, :], mask=valid[:, None], other=0)
+        scale = tl.load(f32_ptr + (page_base + scale_offset + in_page * scale_bytes) // 4, mask=valid, other=0.0)
+        return decode_e4m3(byte) * scale[:, None]
+
+
+@triton.jit
+def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
+                           u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
+                           logits, max_entries, ratio, topk, num_heads,
+                           D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
+                           QBLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    visible = (tl.load(positions + t) + 1) // ratio  # SPEC §6.3: entries j < (p+1)//r
+    in_range = j < max_entries
+    valid = (j < visible) & in_range
+    out_row = logits + t * max_entries
+    if visible <= topk:
+        # Short-context shortcut: every visible entry is selected, no scoring needed.
+        tl.store(out_row + j, tl.where(valid, 0.0, float("-inf")), mask=in_range)
+    elif tl.program_id(1) * BN >= visible:
+        tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=in_range)
+    else:
+        request = tl.load(token_request + t).to(tl.int64)
+        page = tl.load(block_table + request * stride_bt + j // block_size, mask=valid, other=-1)
+        valid = valid & (page >= 0)
+        slots = page.to(tl.int64) * block_size + j % block_size
+        cols = tl.arange(0, D)
+        keys = _load_keys(u8_ptr, f32_ptr, slots, valid, cols, block_size, page_stride, value_bytes,
+                          scale_offset, scale_bytes, MXFP4, QBLOCK).to(DOT_DTYPE)
+        heads = tl.arange(0, HP)
+        head_ok = heads < num_heads
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], mask=head_ok[:, None],
+                    other=0.0).to(tl.float32).to(DOT_DTYPE)
+        w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
+        dots = tl.dot(q, tl.trans(keys))  # [HP, BN], fp32 accumulation
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+        tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=in_range)
+
+
+def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              *, hadamard: torch.Tensor | None, quant: str, rope_dim: int,
+              fp4_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch. index_q [T,heads,128] bf16, weights [T,heads] -> (q bf16 [T,heads,128], w fp32 [T,heads])."""
+    num_tokens, heads, dim = index_q.shape
+    index_q = index_q.contiguous()
+    out = torch.empty_like(index_q)
+    w = torch.empty((num_tokens, heads), dtype=torch.float32, device=index_q.device)
+    if num_tokens == 0:
+        return out, w
+    bh = 16
+    dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
+    _indexer_q_kernel[(num_tokens, triton.cdiv(heads, bh))](
+        index_q, index_q.stride(0), index_q.stride(1), weights, weights.stride(0), positions, cos_sin,
+        cos_sin.stride(0), hadamard if hadamard is not None else index_q, dim ** -0.5, out, w,
+        dim ** -0.5 * heads ** -0.5, heads,
+        D=dim, ROPE=rope_dim, BH=bh, HADAMARD=hadamard is not None,
+        QUANT=_QUANT_FP4 if quant == "fp4" else _QUANT_FP8, FP4_BLOCK=fp4_block, DOT_DTYPE=dot_dtype)
+    return out, w
+
+
+def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                   key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
+                   topk: int, ratio: int, block_entries: int | None = None) -> torch.Tensor:
+    """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows)."""
+    num_tokens, heads, dim = q.shape
+    max_entries = key_block_table.shape[1] * layout.block_size
+    logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or max_entries == 0:
+        return logits
+    bn = block_entries or (32 if INTERPRET else 64)
+    q = q.contiguous()
+    w = w.contiguous()
+    f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
+    _indexer_logits_kernel[(num_tokens, triton.cdiv(max_entries, bn))](
+        q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
+        key_cache, f32, *layout.kernel_args(), logits, max_entries, ratio, topk, heads,
+        D=dim, HP=max(16, triton.next_power_of_2(heads)), BN=bn, MXFP4=layout.format_name == "indexer_mxfp4",
+        QBLOCK=layout.quant_block, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16)
+    return logits
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                 key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
+                 topk: int, ratio: int) -> torch.Tensor:
+    """[T, topk] int32 request-local indices, valid first, -1 padded (SPEC §6.3)."""
+    num_tokens = q.shape[0]
+    logits = indexer_logits(q, w, positions, token_request, key_cache, layout, key_block_table,
+                            topk=topk, ratio=ratio)
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
+    k = min(topk, logits.shape[1])
+    if num_tokens == 0 or k == 0:
+        return out
+    values, index = torch.topk(logits, k, dim=1, sorted=True)  # descending: -inf (invalid) last
+    out[:, :k] = torch.where(values == float("-inf"), -1, index).to(torch.int32)
+    return out

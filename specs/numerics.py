@@ -1,0 +1,72 @@
+"""Numerics profiles: every rounding point of SPEC §3-§8, by name (SPEC §6.6).
+
+A cache is tagged with the profile that wrote it; a reader configured with another profile
+refuses it. ``deepseek`` (DeepSeek's official inference code) is the default.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from dsv4.specs.errors import ConfigError
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["DEFAULT_PROFILE", "NumericsProfile", "get_profile", "profile_names"]
+
+DEFAULT_PROFILE = "deepseek"
+
+
+class NumericsProfile(BaseModel):
+    """One row of SPEC §6.6.
+
+    ``kv_format`` / ``indexer_key_format`` are names for :func:`dsv4.specs.formats.get_format`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    kv_format: str
+    indexer_key_format: str
+    indexer_hadamard: bool
+    indexer_quant: Literal["fp4", "fp8", "int8"]
+    compressor_rounding: Literal["deepseek", "vllm"]
+    attention_probs_bf16: bool
+    returns_lse: bool
+    output_fp8: bool
+
+
+_PROFILES: dict[str, NumericsProfile] = {
+    # SPEC §6.6 deepseek row: Hadamard + FP4 e2m1 simulation (mxfp4 keys); probabilities cast to
+    # bf16 before P@V; the official wo_a runs in bf16 (no FP8 activations).
+    "deepseek": NumericsProfile(
+        name="deepseek", kv_format="fp8_ds_mla", indexer_key_format="indexer_mxfp4",
+        indexer_hadamard=True, indexer_quant="fp4", compressor_rounding="deepseek",
+        attention_probs_bf16=True, returns_lse=True, output_fp8=False,
+    ),
+    # SPEC §6.6 vllm row: no Hadamard, FP8 per-128 pow2 scale (132 B keys); o quantized to FP8 (§8).
+    "vllm": NumericsProfile(
+        name="vllm", kv_format="fp8_ds_mla", indexer_key_format="indexer_fp8",
+        indexer_hadamard=False, indexer_quant="fp8", compressor_rounding="vllm",
+        attention_probs_bf16=False, returns_lse=True, output_fp8=True,
+    ),
+    # SPEC §6.6 ascend row: Hadamard, int8 + fp16 per-token scale; bf16 rows; no LSE.
+    "ascend": NumericsProfile(
+        name="ascend", kv_format="ascend_bf16", indexer_key_format="indexer_ascend_int8",
+        indexer_hadamard=True, indexer_quant="int8", compressor_rounding="deepseek",
+        attention_probs_bf16=False, returns_lse=False, output_fp8=False,
+    ),
+}
+
+
+def profile_names() -> tuple[str, ...]:
+    """Names of the known profiles, default first."""
+    return tuple(_PROFILES)
+
+
+def get_profile(name: str | NumericsProfile = DEFAULT_PROFILE) -> NumericsProfile:
+    """The profile called ``name`` (a profile object is returned unchanged)."""
+    if isinstance(name, NumericsProfile):
+        return name
+    try:
+        return _PROFILES[name]
+    except (KeyError, TypeError):
+        raise ConfigError.of("profile", f"one of {', '.join(_PROFILES)}", repr(name)) from None

@@ -1,0 +1,88 @@
+"""Shared fixtures-as-functions of the Triton tests: random caches, tables and comparisons."""
+from __future__ import annotations
+
+import math
+
+import torch
+from dsv4.codecs import get_codec
+
+try:
+    from dsv4.conformance.tolerances import tolerance_for
+except ImportError:  # pragma: no cover - the suite module is written in parallel
+    tolerance_for = None
+
+ROPE_DIM = 64
+
+
+def cos_sin_table(num_positions: int, theta: float = 10000.0) -> torch.Tensor:
+    """fp32 [P, 64] rows [cos_0..31 | sin_0..31] (SPEC §4), plain RoPE."""
+    inv = theta ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
+    angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1).float()
+
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, op: str, output: str,
+                 abs_tol: float = 1e-3, rel_tol: float = 2 / 128, cos_diff: float | None = None,
+                 min_pass_fraction: float = 1.0, suite: bool = True) -> None:
+    """Element rule |a-e| <= abs or <= rel*|e|; tolerances from the suite when it has them (and suite)."""
+    if suite and tolerance_for is not None:
+        try:
+            tol = tolerance_for(op, output)
+            abs_tol, rel_tol, cos_diff, min_pass_fraction = (tol.abs_tol, tol.rel_tol, tol.cos_diff,
+                                                             tol.min_pass_fraction)
+        except KeyError:
+            pass
+    a, e = actual.double(), expected.double()
+    assert torch.equal(torch.isfinite(a), torch.isfinite(e)), f"{name}: non-finite positions differ"
+    finite = torch.isfinite(e)
+    assert torch.equal(a[~finite], e[~finite]), f"{name}: infinities differ"
+    a, e = a[finite], e[finite]
+    diff = (a - e).abs()
+    ok = (diff <= abs_tol) | (diff <= rel_tol * e.abs())
+    fraction = ok.double().mean().item() if ok.numel() else 1.0
+    assert fraction >= min_pass_fraction, (
+        f"{name}: {fraction:.4f} pass < {min_pass_fraction}; max abs err {diff.max().item():.3g}")
+    if cos_diff is not None and e.numel():
+        cos = 1 - 2 * (a * e).sum() / ((a * a).sum() + (e * e).sum())
+        assert cos.item() <= cos_diff, f"{name}: cosine difference {cos.item():.3g} > {cos_diff}"
+
+
+def e4m3_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One e4m3 ULP at |x| (SPEC §13): 2**(floor(log2|x|) - 3), subnormal floor 2**-9."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -6)))
+    return torch.exp2(exponent - 3)
+
+
+def assert_cache_equivalent(name: str, fmt: str, actual: torch.Tensor, expected: torch.Tensor,
+                            slots: torch.Tensor) -> None:
+    """Byte-exact pages, or every dequantized element of the written slots within one e4m3 ULP."""
+    if torch.equal(actual.view(torch.uint8), expected.view(torch.uint8)):
+        return
+    codec = get_codec(fmt)
+    a = codec.read_rows(actual, slots)
+    e = codec.read_rows(expected, slots)
+    scale = e.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    # The ULP of the element's FP8 block is bounded by its row's largest value's ULP.
+    bound = e4m3_ulp(scale) * 1.0001
+    bad = (a - e).abs() > bound
+    assert not bad.any(), (f"{name}: {int(bad.sum())} dequantized values beyond one e4m3 ULP; max diff "
+                           f"{(a - e).abs().max().item():.3g}")
+    # Bytes outside written rows must be untouched (the reference and we start from the same poison).
+    assert math.isfinite(a.abs().sum().item())
+
+
+def random_block_table(num_requests: int, pages_per_request: int, num_pages: int,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """int32 [R, pages] with distinct random physical pages (SPEC §10)."""
+    perm = torch.randperm(num_pages, generator=generator)[: num_requests * pages_per_request]
+    return perm.view(num_requests, pages_per_request).to(torch.int32)
+
+
+def poisoned_like(cache: torch.Tensor) -> torch.Tensor:
+    """Random bytes (not zeros) so that unwritten or wrongly written bytes show."""
+    raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), dtype=torch.uint8)
+    if cache.dtype == torch.uint8:
+        return raw.view(cache.shape).clone()
+    if cache.dtype == torch.bfloat16:
+        return (torch.randn(cache.shape) * 3).to(torch.bfloat16)
+    return torch.randn(cache.shape).to(cache.dtype)

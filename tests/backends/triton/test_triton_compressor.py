@@ -1,0 +1,71 @@
+"""compress_insert (SPEC §5): state rows and compressed cache rows vs dsv4.reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_helpers import assert_cache_equivalent, assert_close, cos_sin_table, poisoned_like
+from dsv4 import reference
+from dsv4.backends.triton import TritonBackend
+from dsv4.codecs import get_codec
+
+CASES = [  # (ratio, head_dim, out_format, profile)
+    (4, 512, "fp8_ds_mla", "deepseek"),
+    (4, 512, "bf16", "vllm"),
+    (128, 512, "fp8_ds_mla", "vllm"),
+    (4, 128, "indexer_mxfp4", "deepseek"),
+    (4, 128, "indexer_fp8", "vllm"),
+]
+
+
+def _run_steps(backend_fn, steps, state, out_cache, common) -> None:
+    for step in steps:
+        backend_fn(step["kv_score"], step["positions"], step["token_request"], state, common["table"],
+                   step["state_slots"], common["ape"], common["norm_weight"], common["cos_sin"], out_cache,
+                   step["out_slots"], ratio=common["ratio"], head_dim=common["head_dim"],
+                   out_format=common["out_format"], profile=common["profile"], eps=1e-6)
+
+
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile", CASES)
+def test_chunked_prefill_then_decode(ratio: int, head_dim: int, out_format: str, profile: str) -> None:
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    state_block, out_block = 16, 8
+    # Two requests: lengths chosen so several blocks close, split into a prefill chunk, a second
+    # chunk and single-token decode steps, mixed in one batch (SPEC §5.4).
+    lengths = [2 * ratio + 3, ratio + 1] if ratio == 4 else [ratio + 2, ratio - 1]
+    pages = max(lengths) // state_block + 2
+    table = torch.randperm(2 * pages).view(2, pages).to(torch.int32)
+    out_pages = max(lengths) // ratio // out_block + 1
+    out_table = torch.randperm(2 * out_pages)[: 2 * out_pages].view(2, out_pages)
+    splits = [lengths[0] - 2, 1, 1], [lengths[1] - 1, 1, 0]
+    steps, done = [], [0, 0]
+    for s in range(3):
+        pos, req = [], []
+        for r in range(2):
+            n = splits[r][s]
+            pos += list(range(done[r], done[r] + n))
+            req += [r] * n
+            done[r] += n
+        positions = torch.tensor(pos, dtype=torch.int64)
+        token_request = torch.tensor(req, dtype=torch.int32)
+        state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+            + positions % state_block
+        closes = (positions + 1) % ratio == 0
+        entry = positions // ratio
+        out_slots = out_table[token_request.long(), entry // out_block] * out_block + entry % out_block
+        out_slots = torch.where(closes, out_slots, -1).to(torch.int64)
+        steps.append({"kv_score": torch.randn(len(pos), width) * 2, "positions": positions,
+                      "token_request": token_request, "state_slots": state_slots, "out_slots": out_slots})
+    common = {"table": table, "ape": torch.randn(ratio, coff * head_dim), "ratio": ratio, "head_dim": head_dim,
+              "norm_weight": torch.rand(head_dim) + 0.5, "cos_sin": cos_sin_table(512), "out_format": out_format,
+              "profile": profile}
+    state = torch.randn(2 * pages, state_block, width)
+    out_cache = poisoned_like(get_codec(out_format).allocate(2 * out_pages, out_block))
+    ref_state, ref_out = state.clone(), out_cache.clone()
+    _run_steps(TritonBackend().compress_insert, steps, state, out_cache, common)
+    _run_steps(reference.compress_insert, steps, ref_state, ref_out, common)
+    assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
+    written = torch.cat([s["out_slots"] for s in steps])
+    written = written[written >= 0]
+    assert written.numel() >= (2 if ratio == 4 else 1)
+    assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)

@@ -1,0 +1,66 @@
+"""Page geometry of the cache groups (SPEC §9.5; research/vllm_dsv4.md §8, vendor_backends.md §1.4)."""
+import pytest
+from dsv4.specs import ConfigError, ModelConfig, cache_geometry
+
+
+def _pages(geo):
+    return {g.name: (g.entries_per_page, g.aligned_page_bytes, g.page_bytes) for g in geo.groups}
+
+
+def test_vllm_geometry_matches_vllm_table():
+    geo = cache_geometry(ModelConfig.preset("v4-flash"), "vllm", "vllm")
+    assert _pages(geo) == {
+        "swa": (64, 37440, 37440),
+        "c4_kv": (64, 37440, 37440),
+        "c4_indexer_keys": (64, 8640, 8640),
+        "c4_state": (4, 32832, 37440),  # padded to the nearest larger full-MLA page
+        "c4_indexer_state": (4, 8640, 8640),
+        "c128_kv": (2, 1728, 1728),
+        "c128_state": (8, 32832, 37440),
+    }
+    assert geo.group("c4_kv").raw_tokens_per_page == geo.group("c128_kv").raw_tokens_per_page == 256
+    assert geo.group("c4_state").window == 8 and geo.group("c128_state").window == 128
+    assert geo.group("swa").num_layers == 44 and geo.group("c4_kv").num_layers == 21
+
+
+def test_vllm_mxfp4_indexer_pages():
+    geo = cache_geometry(ModelConfig.preset("v4-pro"), "deepseek", "vllm")
+    assert geo.indexer_key_format == "indexer_mxfp4"
+    assert geo.group("c4_indexer_keys").page_bytes == 4608
+    # 8640 has no equal full-MLA page here; the nearest larger one is the 37440 latent page.
+    assert geo.group("c4_indexer_state").page_bytes == 37440
+    assert "swa" in [g.name for g in geo.groups_of_layer(61)] and len(geo.groups_of_layer(61)) == 1
+
+
+@pytest.mark.parametrize("geometry, block, t1, t2, c128_rows", [
+    ("ascend", 128, 16640, 131072, 32), ("ascend", 64, 8320, 65536, 16), ("ascend", 32, 4160, 32768, 8),
+    ("ascend-a5", 128, 16896, 81920, 16), ("ascend-a5", 64, 8448, 40960, 8), ("ascend-a5", 32, 4224, 20480, 4),
+])
+def test_ascend_table(geometry, block, t1, t2, c128_rows):
+    geo = cache_geometry(ModelConfig.preset("v4-flash"), "ascend", geometry, block_size=block)
+    pages = _pages(geo)
+    assert pages["swa"][0] == pages["c4_kv"][0] == pages["c128_kv"][0] == block
+    assert pages["c4_state"][0] == block // 16 and pages["c128_state"][0] == c128_rows
+    assert {p[2] for p in pages.values()} == {t1, t2}
+    assert pages["c4_indexer_keys"][2] == pages["c4_indexer_state"][2] == t1
+    assert geo.group("c128_kv").raw_tokens_per_page == 128 * block
+
+
+def test_pages_for_window_and_growth():
+    geo = cache_geometry(ModelConfig.preset("tiny"), "deepseek", "vllm")
+    swa, c4, c128, state = (geo.group(n) for n in ("swa", "c4_kv", "c128_kv", "c128_state"))
+    assert [swa.pages_for(n) for n in (0, 1, 64, 65, 128, 10**6)] == [0, 1, 1, 2, 2, 3]
+    assert [c4.pages_for(n) for n in (1, 256, 257)] == [1, 1, 2] and c128.pages_for(513) == 3
+    assert [state.pages_for(n) for n in (8, 9, 127, 10**6)] == [1, 2, 16, 17]
+
+
+def test_geometry_errors():
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(ConfigError, match="geometry"):
+        cache_geometry(cfg, "deepseek", "sglang")
+    with pytest.raises(ConfigError, match="block_size"):
+        cache_geometry(cfg, "ascend", "ascend", block_size=48)
+    with pytest.raises(ConfigError, match="block_size"):
+        cache_geometry(cfg, "vllm", "vllm", block_size=128)
+    with pytest.raises(ConfigError, match="kv_format"):
+        cache_geometry(cfg, kv_format="indexer_fp8")

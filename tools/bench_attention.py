@@ -1,0 +1,310 @@
+"""Benchmark table of the Triton backend on one GPU (issue 4): no assertions, numbers only.
+
+Rows: sparse decode (b=128, h=64, SWA 128 + top-k 512; h=128, top-k 1024), sparse prefill (s_q 4096,
+s_kv 32768, top-k 640 / 1152), the fused compressor on 32K tokens, indexer decode b=128 at 128K
+context, and a whole CSA layer decode step. Each row: median time (CUDA events, warm-up, rotated
+inputs), TFLOPS or GB/s, the fraction of the copy bandwidth and bf16 GEMM rate measured in the same
+run, and the ratio to FlashMLA where ``import flash_mla`` works.
+
+    python3 tools/bench_attention.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from dsv4.backends.triton import TritonBackend
+from dsv4.codecs import get_codec
+from dsv4.specs.formats import get_format
+
+__all__ = [
+    "flash_mla_module",
+    "measure_ceilings",
+    "print_table",
+    "random_latent_cache",
+    "run_benchmarks",
+    "time_cuda",
+]
+
+LATENT = get_format("fp8_ds_mla")
+D = LATENT.row_dim
+
+
+def time_cuda(fn: Callable[[int], Any], iters: int = 30, warmup: int = 5, rotations: int = 4) -> float:
+    """Median milliseconds of ``fn(i % rotations)`` over ``iters`` runs timed with CUDA events."""
+    for i in range(warmup):
+        fn(i % rotations)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i % rotations)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_ceilings(device: str = "cuda") -> dict[str, float]:
+    """Device-to-device copy GB/s (read + write) and bf16 GEMM TFLOPS on random data."""
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda i: dst.copy_(src), iters=20, rotations=1)
+    copy_gbs = 2 * n / ms / 1e6
+    size = 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    ms = time_cuda(lambda i: torch.matmul(a, b), iters=10, rotations=1)
+    return {"copy_gbs": copy_gbs, "gemm_tflops": 2 * size ** 3 / ms / 1e9}
+
+
+def random_latent_cache(num_slots: int, block_size: int, device: str) -> torch.Tensor:
+    """fp8_ds_mla pages of random finite bytes (codes < 0x40: no NaN, small scales; never zeros)."""
+    num_blocks = -(-num_slots // block_size)
+    cache = torch.randint(0, 0x40, (num_blocks, LATENT.page_stride(block_size)), dtype=torch.uint8, device=device)
+    return cache
+
+
+def flash_mla_module() -> Any | None:
+    try:
+        import flash_mla
+
+        return flash_mla
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _fm_cache_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    # FlashMLA sees [num_blocks, block, 1, token_bytes] with stride(1) = token_bytes (SPEC §9.1).
+    return torch.as_strided(cache, (cache.shape[0], block_size, 1, LATENT.token_bytes),
+                            (cache.shape[1], LATENT.token_bytes, LATENT.token_bytes, 1))
+
+
+def bench_sparse_decode(ceil: dict[str, float], batch: int, heads: int, topk: int, context: int = 8192,
+                        device: str = "cuda", tuning: dict | None = None) -> dict[str, Any]:
+    swa_block, cmp_block = 64, 64
+    backend = TritonBackend()
+    swa_cache = random_latent_cache(batch * 256, swa_block, device)
+    cmp_slots = batch * max(context // 4, topk)
+    cmp_cache = random_latent_cache(cmp_slots, cmp_block, device)
+    rot = 4
+    qs = [torch.randn(batch, heads, D, device=device).to(torch.bfloat16) for _ in range(rot)]
+    swa_idx = [torch.randint(0, batch * 256, (batch, 128), device=device, dtype=torch.int32) for _ in range(rot)]
+    cmp_idx = [torch.randint(0, cmp_slots, (batch, topk), device=device, dtype=torch.int32) for _ in range(rot)]
+    swa_lens = torch.full((batch,), 128, dtype=torch.int32, device=device)
+    cmp_lens = torch.full((batch,), topk, dtype=torch.int32, device=device)
+    sink = torch.randn(heads, device=device)
+    tuning = tuning or {}
+
+    def ours(i: int):
+        return backend.sparse_attention(qs[i], swa_cache, swa_idx[i], swa_lens, cmp_cache, cmp_idx[i], cmp_lens,
+                                        sink, kv_format="fp8_ds_mla", softmax_scale=D ** -0.5,
+                                        profile="deepseek", **tuning)
+
+    ms = time_cuda(ours)
+    keys = 128 + topk
+    flops = 2 * batch * heads * (D + D) * keys
+    bytes_moved = batch * keys * LATENT.token_bytes
+    row = {"name": f"sparse decode b={batch} h={heads} swa128+top{topk} ctx={context}", "ms": ms,
+           "tflops": flops / ms / 1e9, "gbs": bytes_moved / ms / 1e6}
+    fm = flash_mla_module()
+    if fm is not None:
+        try:
+            sched, _ = fm.get_mla_metadata()
+            swa_view, cmp_view = _fm_cache_view(swa_cache, swa_block), _fm_cache_view(cmp_cache, cmp_block)
+
+            def theirs(i: int):
+                return fm.flash_mla_with_kvcache(
+                    qs[i][:, None], swa_view, None, None, D, sched, None, softmax_scale=D ** -0.5,
+                    is_fp8_kvcache=True, indices=swa_idx[i][:, None], attn_sink=sink, extra_k_cache=cmp_view,
+                    extra_indices_in_kvcache=cmp_idx[i][:, None], topk_length=swa_lens,
+                    extra_topk_length=cmp_lens, use_legacy=True)
+
+            row["flashmla_ms"] = time_cuda(theirs)
+            row["vs_flashmla"] = ms / row["flashmla_ms"]
+            out_ours, _ = ours(0)
+            out_fm = theirs(0)[0][:, 0]
+            row["max_diff_vs_flashmla"] = (out_ours.float() - out_fm.float()).abs().max().item()
+        except Exception as exc:  # noqa: BLE001
+            row["flashmla_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return _fractions(row, ceil)
+
+
+def bench_sparse_prefill(ceil: dict[str, float], heads: int, topk: int, s_q: int = 4096, s_kv: int = 32768,
+                         device: str = "cuda", tuning: dict | None = None) -> dict[str, Any]:
+    backend = TritonBackend()
+    kv = (torch.randn(1, s_kv, D, device=device) * 0.5).to(torch.bfloat16)  # bf16 rows, one page
+    rot = 2
+    qs = [torch.randn(s_q, heads, D, device=device).to(torch.bfloat16) for _ in range(rot)]
+    idx = [torch.randint(0, s_kv, (s_q, topk), device=device, dtype=torch.int32) for _ in range(rot)]
+    lens = torch.full((s_q,), topk, dtype=torch.int32, device=device)
+    sink = torch.randn(heads, device=device)
+    tuning = tuning or {}
+
+    def ours(i: int):
+        return backend.sparse_attention(qs[i], kv, idx[i], lens, None, None, None, sink, kv_format="bf16",
+                                        softmax_scale=D ** -0.5, profile="deepseek", **tuning)
+
+    ms = time_cuda(ours, iters=10, warmup=2, rotations=rot)
+    flops = 2 * s_q * heads * (D + D) * topk
+    row = {"name": f"sparse prefill s_q={s_q} s_kv={s_kv} h={heads} top{topk} (bf16 kv)", "ms": ms,
+           "tflops": flops / ms / 1e9}
+    fm = flash_mla_module()
+    if fm is not None:
+        try:
+            kv_fm = kv.view(s_kv, 1, D)
+
+            def theirs(i: int):
+                return fm.flash_mla_sparse_fwd(qs[i], kv_fm, idx[i][:, None], D ** -0.5, D, sink, lens,
+                                               use_legacy=True)
+
+            row["flashmla_ms"] = time_cuda(theirs, iters=10, warmup=2, rotations=rot)
+            row["vs_flashmla"] = ms / row["flashmla_ms"]
+            row["max_diff_vs_flashmla"] = (ours(0)[0].float() - theirs(0)[0].float()).abs().max().item()
+        except Exception as exc:  # noqa: BLE001
+            row["flashmla_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return _fractions(row, ceil)
+
+
+def bench_compressor(ceil: dict[str, float], num_tokens: int = 32768, ratio: int = 4, head_dim: int = 512,
+                     out_format: str = "fp8_ds_mla", profile: str = "deepseek", device: str = "cuda") -> dict:
+    backend = TritonBackend()
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    state_block = 64
+    pages = num_tokens // state_block + 1
+    state = torch.empty(pages, state_block, width, device=device)
+    table = torch.randperm(pages, device=device).to(torch.int32)[None]
+    positions = torch.arange(num_tokens, device=device)
+    token_request = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    state_slots = table[0].long()[positions // state_block] * state_block + positions % state_block
+    out_block = 64
+    codec = get_codec(out_format)
+    out_cache = codec.allocate(num_tokens // ratio // out_block + 1, out_block, device=device)
+    entry = positions // ratio
+    out_slots = torch.where((positions + 1) % ratio == 0, entry, -1)
+    kv_scores = [torch.randn(num_tokens, width, device=device) for _ in range(2)]
+    ape = torch.randn(ratio, coff * head_dim, device=device)
+    weight = torch.rand(head_dim, device=device) + 0.5
+    cos_sin = _cos_sin(num_tokens, device)
+
+    def ours(i: int):
+        backend.compress_insert(kv_scores[i], positions, token_request, state, table, state_slots, ape, weight,
+                                cos_sin, out_cache, out_slots, ratio=ratio, head_dim=head_dim,
+                                out_format=out_format, profile=profile, eps=1e-6)
+
+    ms = time_cuda(ours, iters=10, warmup=2, rotations=2)
+    # Counted bytes: kv_score read + state written (the floor); the gather re-reads state once more.
+    floor_bytes = 2 * num_tokens * width * 4
+    row = {"name": f"compressor r={ratio} d={head_dim} {out_format} T={num_tokens}", "ms": ms,
+           "gbs": floor_bytes / ms / 1e6}
+    return _fractions(row, ceil)
+
+
+def _cos_sin(num_positions: int, device: str) -> torch.Tensor:
+    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ang = torch.arange(num_positions, dtype=torch.float64)[:, None] * inv
+    return torch.cat([ang.cos(), ang.sin()], 1).float().to(device)
+
+
+def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int = 131072, topk: int = 512,
+                         key_format: str = "indexer_mxfp4", device: str = "cuda") -> dict[str, Any]:
+    from dsv4.backends.triton import indexer
+    from dsv4.backends.triton.layout import key_layout
+
+    entries = context // 4
+    block = 64
+    pages = entries // block
+    fmt = get_format(key_format)
+    cache = torch.randint(0, 0x40, (batch * pages, fmt.page_stride(block)), dtype=torch.uint8, device=device)
+    table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    token_request = torch.arange(batch, dtype=torch.int32, device=device)
+    qs = [torch.randn(batch, 64, 128, device=device).to(torch.bfloat16) for _ in range(2)]
+    w = torch.randn(batch, 64, device=device)
+    layout = key_layout(key_format, cache)
+    backend = TritonBackend()
+
+    def logits_only(i: int):
+        return indexer.indexer_logits(qs[i], w, positions, token_request, cache, layout, table, topk=topk, ratio=4)
+
+    def full(i: int):
+        return backend.indexer_topk(qs[i], w, positions, token_request, cache, table, topk=topk,
+                                    key_format=key_format)
+
+    ms_logits = time_cuda(logits_only, rotations=2)
+    ms = time_cuda(full, rotations=2)
+    key_bytes = batch * entries * fmt.token_bytes
+    row = {"name": f"indexer decode b={batch} ctx={context} {key_format} top{topk}", "ms": ms,
+           "gbs": key_bytes / ms / 1e6, "logits_ms": ms_logits, "logits_gbs": key_bytes / ms_logits / 1e6}
+    return _fractions(row, ceil)
+
+
+def _fractions(row: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
+    if "gbs" in row:
+        row["frac_copy_bw"] = row["gbs"] / ceil["copy_gbs"]
+    if "tflops" in row:
+        row["frac_gemm"] = row["tflops"] / ceil["gemm_tflops"]
+    return row
+
+
+def run_benchmarks(ceil: dict[str, float], tuning_decode: dict | None = None,
+                   tuning_prefill: dict | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    rows: list[dict] = []
+    jobs = [
+        lambda: bench_sparse_decode(ceil, 128, 64, 512, tuning=tuning_decode),
+        lambda: bench_sparse_decode(ceil, 128, 128, 1024, tuning=tuning_decode),
+        lambda: bench_sparse_decode(ceil, 128, 64, 512, context=524288, tuning=tuning_decode),
+        lambda: bench_sparse_prefill(ceil, 64, 640, tuning=tuning_prefill),
+        lambda: bench_sparse_prefill(ceil, 128, 1152, tuning=tuning_prefill),
+        lambda: bench_compressor(ceil),
+        lambda: bench_compressor(ceil, ratio=128),
+        lambda: bench_compressor(ceil, head_dim=128, out_format="indexer_mxfp4"),
+        lambda: bench_indexer_decode(ceil),
+    ]
+    for job in jobs:
+        try:
+            rows.append(job())
+            log(json.dumps(rows[-1]))
+        except Exception as exc:  # noqa: BLE001 - a benchmark failure is a row, not a crash
+            rows.append({"name": "error", "error": f"{type(exc).__name__}: {exc}"[:400]})
+            log(rows[-1]["error"])
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict], ceil: dict[str, float], out=sys.stdout) -> None:
+    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 GEMM {ceil['gemm_tflops']:.0f} TFLOPS", file=out)
+    print(f"{'row':<58} {'ms':>8} {'TFLOPS':>7} {'GB/s':>7} {'%gemm':>6} {'%bw':>5} {'FM ms':>7} {'xFM':>5}",
+          file=out)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<58} {r['error'][:60]}", file=out)
+            continue
+        print(f"{r['name'][:58]:<58} {r['ms']:8.3f} {r.get('tflops', float('nan')):7.1f} "
+              f"{r.get('gbs', float('nan')):7.0f} {100 * r.get('frac_gemm', float('nan')):6.1f} "
+              f"{100 * r.get('frac_copy_bw', float('nan')):5.1f} {r.get('flashmla_ms', float('nan')):7.3f} "
+              f"{r.get('vs_flashmla', float('nan')):5.2f}", file=out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ceil = measure_ceilings()
+    rows = run_benchmarks(ceil)
+    print_table(rows, ceil)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceil, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

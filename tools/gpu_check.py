@@ -1,0 +1,388 @@
+"""The one H200 run of the Triton backend: correctness of every op vs dsv4.reference at realistic
+shapes on fresh random inputs, a sparse-attention tuning sweep, CUDA-graph capture/replay of a CSA
+decode step, and the benchmark table of tools/bench_attention.py (FlashMLA in the same run when
+``import flash_mla`` works). Prints a short table last; writes JSON under $OUT when OUT is set.
+
+    python3 tools/gpu_check.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "backends" / "triton"))
+
+import bench_attention as bench
+from _triton_helpers import assert_cache_equivalent, assert_close
+from dsv4 import reference
+from dsv4.backends.triton import TritonBackend
+from dsv4.codecs import get_codec
+from dsv4.reference.indexer import indexer_scores
+
+DEV = "cuda"
+RESULTS: dict = {"checks": [], "sweep": [], "graph": {}, "bench": [], "env": {}}
+B = TritonBackend()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:  # keep partial results if the run is cut short
+        Path(out_dir, "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def check(name: str, fn, *args) -> None:
+    t0 = time.time()
+    try:
+        detail = fn(*args) or ""
+        RESULTS["checks"].append({"name": name, "ok": True, "detail": detail, "s": time.time() - t0})
+        log(f"PASS {name} {detail}")
+    except Exception as exc:  # noqa: BLE001
+        RESULTS["checks"].append({"name": name, "ok": False, "detail": f"{type(exc).__name__}: {exc}"[:500],
+                                  "s": time.time() - t0})
+        log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        traceback.print_exc(limit=3)
+
+
+def cos_sin(n: int) -> torch.Tensor:
+    return bench._cos_sin(n, DEV)
+
+
+def byte_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"bytes differing {int((a.view(torch.uint8) != b.view(torch.uint8)).sum())}"
+
+
+# ---------------------------------------------------------------- correctness
+def chk_qnorm(kv_format: str, profile: str):
+    t, h, bs, nb = 512, 64, 64, 16
+    q = (torch.randn(t, h, 512, device=DEV) * 2).to(torch.bfloat16)
+    kv = torch.randn(t, 512, device=DEV).to(torch.bfloat16)
+    pos = torch.randint(0, 60000, (t,), device=DEV)
+    slots = torch.randperm(nb * bs, device=DEV)[:t]
+    slots[::7] = -1
+    cache = get_codec(kv_format).allocate(nb, bs, device=DEV)
+    cache.view(torch.uint8).random_(0, 256)
+    ref_cache = cache.clone()
+    cs = cos_sin(65536)
+    out = B.qnorm_rope_insert(q, kv, pos, cs, cache, slots, kv_format=kv_format, eps=1e-6, profile=profile)
+    ref = reference.qnorm_rope_insert(q, kv, pos, cs, ref_cache, slots, kv_format=kv_format, eps=1e-6,
+                                      profile=profile)
+    assert_close("q_out", out.cpu(), ref.cpu(), "qnorm_rope_insert", "q_out")
+    assert_cache_equivalent("swa_cache", kv_format, cache.cpu(), ref_cache.cpu(), slots[slots >= 0].cpu())
+    return byte_mismatch(cache, ref_cache)
+
+
+def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, splits: int | None):
+    cache_rows = 4096
+    codec = get_codec(kv_format)
+    swa = codec.allocate(cache_rows // 64, 64, device=DEV)
+    ext = codec.allocate(cache_rows // 64, 64, device=DEV)
+    for c in (swa, ext):
+        codec.write_rows(c, torch.arange(cache_rows, device=DEV), torch.randn(cache_rows, 512, device=DEV))
+    si = torch.randint(0, cache_rows, (t, 128), device=DEV, dtype=torch.int32)
+    ei = torch.randint(0, cache_rows, (t, topk), device=DEV, dtype=torch.int32)
+    sl = torch.randint(1, 129, (t,), device=DEV, dtype=torch.int32)
+    el = torch.randint(0, topk + 1, (t,), device=DEV, dtype=torch.int32)
+    ei[torch.rand(t, topk, device=DEV) < 0.05] = -1
+    q = (torch.randn(t, h, 512, device=DEV) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, device=DEV)
+    out, lse = B.sparse_attention(q, swa, si, sl, ext, ei, el, sink, kv_format=kv_format, softmax_scale=512 ** -0.5,
+                                  profile=profile, num_splits=splits)
+    r_out, r_lse = reference.sparse_attention(q.double(), swa, si, sl, ext, ei, el, sink.double(),
+                                              kv_format=kv_format, softmax_scale=512 ** -0.5, profile=profile)
+    if profile == "vllm":
+        assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out")
+    else:
+        assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out", abs_tol=4e-3, cos_diff=5e-6,
+                     suite=False)
+    assert_close("lse", lse.cpu(), r_lse.cpu(), "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
+    return f"max|d| {(out.double() - r_out).abs().max().item():.2e}"
+
+
+def chk_compressor(ratio: int, head_dim: int, out_format: str, profile: str, t: int = 1024):
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    sb = 64
+    pages = t // sb + 2
+    table = torch.randperm(pages, device=DEV).to(torch.int32)[None]
+    state = torch.randn(pages, sb, width, device=DEV)
+    pos = torch.arange(t, device=DEV)
+    req = torch.zeros(t, dtype=torch.int32, device=DEV)
+    state_slots = table[0].long()[pos // sb] * sb + pos % sb
+    ob = 64
+    codec = get_codec(out_format)
+    out = codec.allocate(t // ratio // ob + 1, ob, device=DEV)
+    out.view(torch.uint8).random_(0, 256)
+    out_slots = torch.where((pos + 1) % ratio == 0, pos // ratio, -1)
+    args_a = (torch.randn(t, width, device=DEV) * 2, pos, req)
+    ape = torch.randn(ratio, coff * head_dim, device=DEV)
+    w = torch.rand(head_dim, device=DEV) + 0.5
+    cs = cos_sin(t)
+    ref_state, ref_out = state.clone(), out.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
+    B.compress_insert(*args_a, state, table, state_slots, ape, w, cs, out, out_slots, **kw)
+    reference.compress_insert(*args_a, ref_state, table, state_slots, ape, w, cs, ref_out, out_slots, **kw)
+    assert_close("state", state.cpu(), ref_state.cpu(), "compress_insert", "state_cache", abs_tol=1e-6,
+                 rel_tol=2 ** -22)
+    written = out_slots[out_slots >= 0].cpu()
+    assert_cache_equivalent("out_cache", out_format, out.cpu(), ref_out.cpu(), written)
+    return byte_mismatch(out, ref_out)
+
+
+def chk_indexer_q(profile: str):
+    t = 256
+    iq = (torch.randn(t, 64, 128, device=DEV) * 3).to(torch.bfloat16)
+    wts = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
+    pos = torch.randint(0, 60000, (t,), device=DEV)
+    cs = cos_sin(65536)
+    q, w = B.indexer_q(iq, wts, pos, cs, profile=profile)
+    rq, rw = reference.indexer_q(iq, wts, pos, cs, profile=profile)
+    assert_close("q", q.cpu(), rq.cpu(), "indexer_q", "q", abs_tol=1e-2, rel_tol=2 / 128, min_pass_fraction=0.995)
+    assert_close("w", w.cpu(), rw.cpu(), "indexer_q", "w", abs_tol=1e-6, rel_tol=1e-5)
+    return f"q exact fraction {(q == rq).float().mean().item():.4f}"
+
+
+def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16):
+    block = 64
+    entries = context // 4
+    pages = entries // block
+    codec = get_codec(key_format)
+    cache = codec.allocate(2 * pages, block, device=DEV)
+    table = torch.randperm(2 * pages, device=DEV).to(torch.int32).view(2, pages)
+    slots = (table.long()[:, :, None] * block + torch.arange(block, device=DEV)).flatten()
+    codec.write_rows(cache, slots, torch.randn(slots.numel(), 128, device=DEV))
+    pos = torch.randint(0, context, (t,), device=DEV)
+    pos[0] = 100  # short-context row
+    req = torch.randint(0, 2, (t,), device=DEV, dtype=torch.int32)
+    q = torch.randn(t, 64, 128, device=DEV).to(torch.bfloat16)
+    w = torch.randn(t, 64, device=DEV)
+    out = B.indexer_topk(q, w, pos, req, cache, table, topk=topk, key_format=key_format).cpu()
+    for i in range(t):
+        vis = int(pos[i] + 1) // 4
+        row = out[i]
+        valid = row[row >= 0]
+        assert valid.numel() == min(topk, vis) and torch.all(row[: valid.numel()] >= 0)
+        assert valid.unique().numel() == valid.numel() and int(valid.max()) < vis
+        if vis <= topk:
+            continue
+        r = int(req[i])
+        e = torch.arange(vis, device=DEV)
+        es = table[r].long()[e // block] * block + e % block
+        sc = indexer_scores(q[i:i + 1], w[i:i + 1], codec.read_rows(cache, es))[0].cpu()
+        kth = sc.sort(descending=True).values[topk - 1]
+        assert torch.all(sc[valid.long()] >= kth - 1e-3 * (sc.max() - sc.min())), f"row {i} picks a worse entry"
+    return ""
+
+
+def chk_output(fp8: bool):
+    t, h, g, o_lora, hidden = 64, 64, 8, 1024, 4096
+    o = torch.randn(t, h, 512, device=DEV).to(torch.bfloat16)
+    pos = torch.randint(0, 60000, (t,), device=DEV)
+    cs = cos_sin(65536)
+    wa = (torch.randn(g * o_lora, h // g * 512, device=DEV) * (h // g * 512) ** -0.5).to(torch.bfloat16)
+    wb = (torch.randn(hidden, g * o_lora, device=DEV) * (g * o_lora) ** -0.5).to(torch.bfloat16)
+    out = B.output_projection(o, pos, cs, wa, wb, fp8_activations=fp8)
+    ref = reference.output_projection(o, pos, cs, wa, wb, fp8_activations=fp8)
+    assert_close("out", out.cpu(), ref.cpu(), "output_projection", "out")
+    return ""
+
+
+# ---------------------------------------------------------------- tuning sweep
+def sweep(ceil):
+    best = {}
+    for label, fn, configs in (
+        ("decode", lambda tun: bench.bench_sparse_decode(ceil, 128, 64, 512, tuning=tun),
+         [{"block_heads": 64, "block_keys": 32, "num_warps": 8, "num_stages": 2},
+          {"block_heads": 64, "block_keys": 64, "num_warps": 8, "num_stages": 2},
+          {"block_heads": 64, "block_keys": 32, "num_warps": 4, "num_stages": 2},
+          {"block_heads": 32, "block_keys": 64, "num_warps": 4, "num_stages": 2},
+          {"block_heads": 64, "block_keys": 32, "num_warps": 8, "num_stages": 3},
+          {"block_heads": 16, "block_keys": 64, "num_warps": 4, "num_stages": 2}]),
+        ("prefill", lambda tun: bench.bench_sparse_prefill(ceil, 64, 640, tuning=tun),
+         [{"block_heads": 64, "block_keys": 32, "num_warps": 8, "num_stages": 2},
+          {"block_heads": 64, "block_keys": 64, "num_warps": 8, "num_stages": 2},
+          {"block_heads": 64, "block_keys": 32, "num_warps": 4, "num_stages": 3}]),
+    ):
+        for cfg in configs:
+            try:
+                row = fn(cfg)
+                RESULTS["sweep"].append({"kind": label, **cfg, "ms": row["ms"]})
+                log(f"sweep {label} {cfg} {row['ms']:.4f} ms")
+                if label not in best or row["ms"] < best[label][1]:
+                    best[label] = (cfg, row["ms"])
+            except Exception as exc:  # noqa: BLE001
+                RESULTS["sweep"].append({"kind": label, **cfg, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                log(f"sweep {label} {cfg} ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            torch.cuda.empty_cache()
+    return {k: v[0] for k, v in best.items()}
+
+
+# ---------------------------------------------------------------- CUDA graph of a CSA decode step
+def graph_check(ceil, tuning):
+    b, h, g, o_lora, hidden, topk = 32, 64, 8, 1024, 4096, 512
+    ctx = 4096
+    bs = 64
+    swa_codec, key_codec = get_codec("fp8_ds_mla"), get_codec("indexer_mxfp4")
+    pages = ctx // bs + 2
+    swa = swa_codec.allocate(b * pages, bs, device=DEV)
+    cmp_cache = swa_codec.allocate(b * pages, bs, device=DEV)
+    keys = key_codec.allocate(b * pages, bs, device=DEV)
+    table = torch.arange(b * pages, device=DEV, dtype=torch.int32).view(b, pages)
+    all_slots = torch.arange(b * pages * bs, device=DEV)
+    swa_codec.write_rows(swa, all_slots, torch.randn(all_slots.numel(), 512, device=DEV))
+    swa_codec.write_rows(cmp_cache, all_slots, torch.randn(all_slots.numel(), 512, device=DEV))
+    key_codec.write_rows(keys, all_slots, torch.randn(all_slots.numel(), 128, device=DEV))
+    st_main = torch.randn(b * pages, bs, 2048, device=DEV)
+    st_idx = torch.randn(b * pages, bs, 512, device=DEV)
+    cs = cos_sin(2 * ctx)
+    req = torch.arange(b, device=DEV, dtype=torch.int32)
+    # stable buffers (metadata is copied in before each replay)
+    pos = torch.full((b,), ctx - 1, device=DEV)
+    x = {"q": torch.randn(b, h, 512, device=DEV).to(torch.bfloat16),
+         "kv": torch.randn(b, 512, device=DEV).to(torch.bfloat16),
+         "kvs": torch.randn(b, 2048, device=DEV), "kvs_i": torch.randn(b, 512, device=DEV),
+         "iq": torch.randn(b, 64, 128, device=DEV).to(torch.bfloat16),
+         "iw": torch.randn(b, 64, device=DEV).to(torch.bfloat16)}
+    swa_idx = torch.zeros(b, 128, device=DEV, dtype=torch.int32)
+    swa_len = torch.full((b,), 128, device=DEV, dtype=torch.int32)
+    ape, ape_i = torch.randn(4, 1024, device=DEV), torch.randn(4, 256, device=DEV)
+    nw, nw_i = torch.rand(512, device=DEV) + .5, torch.rand(128, device=DEV) + .5
+    sink = torch.randn(h, device=DEV)
+    wa = (torch.randn(g * o_lora, h // g * 512, device=DEV) * 0.02).to(torch.bfloat16)
+    wb = (torch.randn(hidden, g * o_lora, device=DEV) * 0.02).to(torch.bfloat16)
+
+    def meta():
+        slot = table.long()[req.long(), pos // bs] * bs + pos % bs
+        entry = pos // 4
+        cslot = torch.where((pos + 1) % 4 == 0, table.long()[req.long(), entry // bs] * bs + entry % bs, -1)
+        win = pos[:, None] - torch.arange(128, device=DEV)
+        swa_idx.copy_(torch.where(win >= 0, table.long()[req.long()[:, None], win.clamp(min=0) // bs] * bs
+                                  + win.clamp(min=0) % bs, -1).to(torch.int32))
+        return slot, cslot
+
+    slot_buf = torch.zeros(b, dtype=torch.int64, device=DEV)
+    cslot_buf = torch.zeros(b, dtype=torch.int64, device=DEV)
+
+    def step():
+        q = B.qnorm_rope_insert(x["q"], x["kv"], pos, cs, swa, slot_buf, kv_format="fp8_ds_mla", eps=1e-6)
+        B.compress_insert(x["kvs"], pos, req, st_main, table, slot_buf, ape, nw, cs, cmp_cache, cslot_buf,
+                          ratio=4, head_dim=512, out_format="fp8_ds_mla", profile="deepseek", eps=1e-6)
+        B.compress_insert(x["kvs_i"], pos, req, st_idx, table, slot_buf, ape_i, nw_i, cs, keys, cslot_buf,
+                          ratio=4, head_dim=128, out_format="indexer_mxfp4", profile="deepseek", eps=1e-6)
+        iq, iw = B.indexer_q(x["iq"], x["iw"], pos, cs, profile="deepseek")
+        local = B.indexer_topk(iq, iw, pos, req, keys, table, topk=topk, key_format="indexer_mxfp4")
+        lc = local.long().clamp(min=0)
+        glob = torch.where(local >= 0, table.long()[req.long()[:, None], lc // bs] * bs + lc % bs, -1).to(torch.int32)
+        glen = (local >= 0).sum(1).to(torch.int32)
+        o, _ = B.sparse_attention(q, swa, swa_idx, swa_len, cmp_cache, glob, glen, sink, kv_format="fp8_ds_mla",
+                                  softmax_scale=512 ** -0.5, profile="deepseek", **(tuning or {}))
+        return B.output_projection(o, pos, cs, wa, wb, fp8_activations=False)
+
+    caches = [swa, cmp_cache, keys, st_main, st_idx]
+    s, c = meta()
+    slot_buf.copy_(s)
+    cslot_buf.copy_(c)
+    saved = [t.clone() for t in caches]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t, sv in zip(caches, saved):
+                t.copy_(sv)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t, sv in zip(caches, saved):
+        t.copy_(sv)
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    worst = 0.0
+    for k in range(3):  # replay with new metadata and inputs in the same buffers
+        pos.fill_(ctx - 1 + k)
+        for v in x.values():
+            v.copy_(torch.randn(v.shape, device=DEV).to(v.dtype))
+        s, c = meta()
+        slot_buf.copy_(s)
+        cslot_buf.copy_(c)
+        before = [t.clone() for t in caches]
+        graph.replay()
+        replay_out = graph_out.clone()
+        replay_caches = [t.clone() for t in caches]
+        for t, sv in zip(caches, before):
+            t.copy_(sv)
+        eager = step()
+        worst = max(worst, (replay_out.float() - eager.float()).abs().max().item())
+        for a, e in zip(replay_caches, caches):
+            assert torch.equal(a, e), "graph replay wrote different cache bytes than eager"
+    ms_graph = bench.time_cuda(lambda i: graph.replay(), iters=20)
+    ms_eager = bench.time_cuda(lambda i: step(), iters=20)
+    RESULTS["graph"] = {"max_diff_replay_vs_eager": worst, "graph_ms": ms_graph, "eager_ms": ms_eager, "batch": b}
+    assert worst == 0.0, f"replay differs from eager by {worst}"
+    return f"graph {ms_graph:.3f} ms vs eager {ms_eager:.3f} ms (b={b})"
+
+
+def main() -> None:
+    torch.manual_seed(int(time.time()))
+    import triton
+
+    RESULTS["env"] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "flash_mla": bench.flash_mla_module() is not None}
+    log(json.dumps(RESULTS["env"]))
+    ceil = bench.measure_ceilings()
+    RESULTS["ceilings"] = ceil
+    log(json.dumps(ceil))
+    for fmt, prof in (("fp8_ds_mla", "deepseek"), ("bf16", "vllm")):
+        check(f"qnorm_rope_insert {fmt} {prof}", chk_qnorm, fmt, prof)
+    check("sparse decode fp8 vllm b64 h64 top512", chk_attention, "fp8_ds_mla", "vllm", 64, 64, 512, None)
+    check("sparse decode fp8 deepseek b64 h128 top1024",
+          chk_attention, "fp8_ds_mla", "deepseek", 64, 128, 1024, None)
+    check("sparse prefill bf16 vllm T256 h64", chk_attention, "bf16", "vllm", 256, 64, 512, 1)
+    for args in ((4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm"), (4, 512, "bf16", "vllm"),
+                 (4, 128, "indexer_mxfp4", "deepseek"), (4, 128, "indexer_fp8", "vllm")):
+        check(f"compress_insert {args}", chk_compressor, *args)
+    for prof in ("deepseek", "vllm"):
+        check(f"indexer_q {prof}", chk_indexer_q, prof)
+    for fmt in ("indexer_mxfp4", "indexer_fp8"):
+        check(f"indexer_topk {fmt}", chk_indexer_topk, fmt)
+    for fp8 in (False, True):
+        check(f"output_projection fp8={fp8}", chk_output, fp8)
+    if "--quick" in sys.argv:  # correctness + the two decode rows with the tuned defaults only
+        tuned = {"block_heads": 64, "block_keys": 32, "num_warps": 8, "num_stages": 3}
+        RESULTS["bench"] = [bench.bench_sparse_decode(ceil, 128, 64, 512, tuning=tuned),
+                            bench.bench_sparse_decode(ceil, 128, 128, 1024, tuning=tuned)]
+        for splits in (1, 8):
+            row = bench.bench_sparse_decode(ceil, 128, 64, 512, tuning={**tuned, "num_splits": splits})
+            row["name"] += f" splits={splits}"
+            RESULTS["bench"].append(row)
+        _summary(ceil)
+        return
+    best = sweep(ceil)
+    RESULTS["best_tuning"] = best
+    log(f"best tuning {best}")
+    check("cuda graph CSA decode step", graph_check, ceil, best.get("decode"))
+    RESULTS["bench"] = bench.run_benchmarks(ceil, best.get("decode"), best.get("prefill"), log)
+    _summary(ceil)
+
+
+def _summary(ceil) -> None:
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log("\n==== summary ====")
+    for c in RESULTS["checks"]:
+        log(f"{'PASS' if c['ok'] else 'FAIL'} {c['name'][:60]:<60} {c['detail'][:70]}")
+    if RESULTS["graph"]:
+        log(f"graph: {RESULTS['graph']}")
+    bench.print_table(RESULTS["bench"], ceil)
+
+
+if __name__ == "__main__":
+    main()
