@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 from dsv4.cache import PagedKVCache, StepRequest
 from dsv4.conformance.tolerances import LAYER_GOLDEN
-from dsv4.layer import Attention
+from dsv4.layer import OP_NAMES, Attention
+from dsv4.ops.dispatch import record_selections
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 from safetensors.torch import load_file, save_file
 
-__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "row_cosine", "run_layer_golden"]
+__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "parse_backends", "row_cosine", "run_layer_golden"]
 
 FORMAT = "dsv4-layer-golden/1"
 
@@ -36,6 +37,7 @@ class LayerGoldenReport:
     backend: str
     device: str
     rows: list[dict] = field(default_factory=list)
+    backends_used: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -43,7 +45,8 @@ class LayerGoldenReport:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "source": self.source, "numerics": self.numerics, "backend": self.backend,
-                "device": self.device, "passed": self.passed, "layers": self.rows}
+                "device": self.device, "passed": self.passed, "backends_used": self.backends_used,
+                "layers": self.rows}
 
 
 def row_cosine(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -63,7 +66,7 @@ def judge_rows(kind: LayerKind, cos: torch.Tensor) -> dict:
     cos = torch.nan_to_num(cos, nan=-1.0)
     frac = float((cos >= rule.row_cosine).double().mean())
     stats = {"rows": int(cos.numel()), "min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
-             "fraction_ge": frac, "worst_row": int(cos.argmin())}
+             "fraction_ge_0999": frac, "worst_row": int(cos.argmin())}
     if kind == LayerKind.CSA:
         passed = (frac >= rule.csa_fraction and stats["mean_cosine"] >= rule.csa_mean
                   and stats["min_cosine"] >= rule.csa_min)
@@ -90,9 +93,42 @@ def _num_blocks(cfg: ModelConfig, batch: int, tokens: int) -> int:
     return batch * (tokens + 2)
 
 
-def run_layer_golden(path: str | Path, backend: str | None = None, device: str = "cpu",
+def parse_backends(specs: str | list[str] | dict | None) -> str | dict[str, str] | None:
+    """``"triton"`` or ``["triton", "sparse_attention=flashmla"]`` -> a name or ``{op: name}``.
+
+    A plain name is the default of every op; ``op=name`` overrides one op (unnamed ops: ``auto``).
+    """
+    if specs is None or isinstance(specs, dict):
+        return specs
+    items = [specs] if isinstance(specs, str) else list(specs)
+    default, per_op = None, {}
+    for item in ",".join(items).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            op, name = (part.strip() for part in item.split("=", 1))
+            if op not in OP_NAMES:
+                raise DSV4ValueError.of("--backend", f"op=name with op among {OP_NAMES}", repr(item))
+            per_op[op] = name
+        elif default is None:
+            default = item
+        else:
+            raise DSV4ValueError.of("--backend", "one default backend name (and op=name overrides)",
+                                    f"{default!r} and {item!r}")
+    if not per_op:
+        return default
+    return {op: per_op.get(op, default or "auto") for op in OP_NAMES}
+
+
+def run_layer_golden(path: str | Path, backend: str | list[str] | dict | None = None, device: str = "cpu",
                      save_outputs: str | Path | None = None) -> LayerGoldenReport:
-    """Replay the golden at ``path`` with ``backend`` (default: auto selection) on ``device``."""
+    """Replay the golden at ``path`` on ``device``.
+
+    backend: a name for every op, ``{op: name}``, or CLI-style strings (see :func:`parse_backends`);
+    default: auto selection. ``report.backends_used`` records which backend ran each op.
+    """
+    backend = parse_backends(backend)
     meta, tensors = load_layer_golden(path)
     cfg = ModelConfig.from_hf_config(meta["hf_config"])
     profile = meta.get("numerics", "deepseek")
@@ -103,7 +139,8 @@ def run_layer_golden(path: str | Path, backend: str | None = None, device: str =
     if covered != total:
         raise DSV4ValueError.of(f"{Path(path).name}: steps", f"lengths summing to the input's {total} tokens",
                                 covered)
-    report = LayerGoldenReport(str(path), meta.get("source", ""), profile, backend or "auto", device)
+    label = backend if isinstance(backend, str) or backend is None else ",".join(f"{k}={v}" for k, v in backend.items())
+    report = LayerGoldenReport(str(path), meta.get("source", ""), profile, label or "auto", device)
     outputs = {}
     layer_ids = [int(spec["layer_id"]) for spec in meta["layers"]]
     cache = PagedKVCache(cfg, layer_ids, num_blocks=_num_blocks(cfg, batch, total), device=device,
@@ -116,13 +153,14 @@ def run_layer_golden(path: str | Path, backend: str | None = None, device: str =
         attn.load_state_dict(state, strict=True)
         layers[layer_id] = attn.to(device)
     produced = {layer_id: [] for layer_id in layer_ids}
-    with torch.no_grad():
+    with torch.no_grad(), record_selections() as used:
         for s in steps:
             start, length = int(s["start_pos"]), int(s["length"])
             step = cache.plan_step([StepRequest(b, length) for b in range(batch)])
             x = x_all[:, start:start + length].reshape(batch * length, -1).to(device)
             for layer_id, attn in layers.items():
                 produced[layer_id].append(attn(x, step).view(batch, length, -1).cpu())
+    report.backends_used = {op: sorted(names) for op, names in used.items()}
     for spec in meta["layers"]:
         layer_id = int(spec["layer_id"])
         out = torch.cat(produced[layer_id], dim=1)

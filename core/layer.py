@@ -174,7 +174,8 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         q = self.wq_b(qr).view(T, H, D)
         q = ops.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
-                                  kv_format=kv_format, eps=cfg.rms_norm_eps, backend=be["qnorm_rope_insert"])
+                                  kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
+                                  backend=be["qnorm_rope_insert"])
 
         extra_cache = extra_indices = extra_lens = None
         if self.compressor is not None:

@@ -1,108 +1,142 @@
 """Sparse MQA over paged latent caches (SPEC §7): split over keys, then a combine step.
 
-One kernel serves decode and prefill. A program owns one token, a block of heads and one split of
-that token's key list; the list is the SWA indices followed by the extra (compressed) indices, read
-in place from the caches (fp8_ds_mla pages dequantized in registers, bf16 rows as they are). With
-one split the program finishes the softmax itself (sink, lse); with several, each writes a partial
-(max, sum, unnormalised output) and ``_combine_kernel`` merges them.
+One kernel serves decode and prefill. A program owns one token, a block of (up to 64) heads and
+one split of that token's key list. The list is the SWA indices followed by the extra
+(compressed) indices, walked as ONE loop of ``BN``-key tiles (the source is picked per tile with
+scalar selects), so Triton's software pipeline prefetches across the SWA -> extra boundary.
+
+Per tile: the ``BN`` latent rows are gathered in place as ``[BN, D // CHUNK, CHUNK]`` (one
+64-wide chunk per UE8M0 scale, SPEC §9.1), so a scale is loaded once per (row, chunk) instead of
+once per element; e4m3 bytes are converted by the hardware (``cvt`` e4m3x2, exact) on sm_89+ CUDA
+and by the exact integer decode elsewhere (interpreter, ROCm FNUZ parts, XPU); the rope chunk is
+one ``[BN, 1, CHUNK]`` bf16 load broadcast over the chunk axis. The dequantized bf16 tile is the
+B operand of both dots (scores and P@V), so it is built once. With one split the program
+finishes the softmax itself (sink, lse); with several, each writes a partial (max, sum,
+unnormalised output) and ``_combine_kernel`` merges them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from dsv4.backends.triton._common import INTERPRET, decode_e4m3, next_pow2, round_bf16, to_bf16
 from dsv4.backends.triton.layout import LatentLayout
+from dsv4.specs.errors import CacheLayoutError
 
-__all__ = ["choose_num_splits", "sparse_attention"]
+__all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "sparse_attention"]
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_latent_rows(u8_ptr, bf16_ptr, slots, valid, cols,
-                      block_size, page_stride, token_stride, nope_offset, rope_offset,
-                      scale_offset, scale_stride,
-                      FP8: tl.constexpr, NOPE: tl.constexpr, QBLOCK: tl.constexpr, NUM_SCALES: tl.constexpr):
-    """Dequantized rows [BN, D] fp32 (exact bf16 values) of the latent cache at ``slots`` [BN].
+def _tile_source(tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
+                 swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
+                 ext_scale_off, HAS_EXTRA: tl.constexpr):
+    """Scalars of virtual tile ``tile``: tiles [0, n_swa) are SWA, the rest extra (SPEC §7: one softmax)."""
+    if HAS_EXTRA:
+        in_swa = tile < n_swa
+        local = tl.where(in_swa, tile, tile - n_swa)
+        idx_row = tl.where(in_swa, swa_row, ext_row)
+        length = tl.where(in_swa, swa_len, ext_len)
+        u8 = tl.where(in_swa, swa_u8, ext_u8)
+        bf16 = tl.where(in_swa, swa_bf16, ext_bf16)
+        i64 = tl.where(in_swa, swa_i64, ext_i64)
+        block = tl.where(in_swa, swa_block, ext_block)
+        page_stride = tl.where(in_swa, swa_page_stride, ext_page_stride)
+        scale_off = tl.where(in_swa, swa_scale_off, ext_scale_off)
+    else:
+        local, idx_row, length, u8, bf16, i64 = tile, swa_row, swa_len, swa_u8, swa_bf16, swa_i64
+        block, page_stride, scale_off = swa_block, swa_page_stride, swa_scale_off
+    return local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off
 
-    Offsets are bytes (SPEC §9.1 / §9.2, from ``layout.LatentLayout``); invalid rows read as 0.
+
+@triton.jit
+def _load_slots(idx_row, local_tile, length, live, BN: tl.constexpr):
+    """[BN] int32 slots of one tile and [BN] validity (in the list, not -1 (SPEC §10), tile live)."""
+    j = local_tile * BN + tl.arange(0, BN)
+    in_list = j < tl.where(live, length, 0)
+    slots = tl.load(idx_row + j, mask=in_list, other=-1)
+    return slots, in_list & (slots >= 0)
+
+
+@triton.jit
+def _issue_gather(u8_ptr, bf16_ptr, i64_ptr, slots, valid,
+                  block_size, page_stride, token_stride, nope_offset, rope_offset, scale_offset, scale_stride,
+                  FP8: tl.constexpr, NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Raw bytes of ``BN`` latent records, shaped ``[BN, CHUNKS, CHUNK]`` (one UE8M0 scale per chunk).
+
+    fp8 (SPEC §9.1, A5 §9.2): (e4m3 codes u8 [BN, C, E], rope bf16 [BN, 1, E], scale word i64 [BN]);
+    the 8 scale bytes of a row are one little-endian word (byte c = chunk c), so a row costs one
+    8-byte load instead of one byte load per element. bf16 rows: (rows bf16 [BN, C, E], 0, 0).
+    Invalid rows read as 0 (no memory access).
     """
     safe = tl.where(valid, slots, 0).to(tl.int64)
     page = safe // block_size
-    in_page = safe % block_size
-    token_base = page * page_stride + in_page * token_stride  # byte offset of the token record
-    rows = token_base[:, None]
-    is_nope = cols[None, :] < NOPE
+    in_page = safe - page * block_size
+    rows = (page * page_stride + in_page * token_stride)[:, None, None]  # byte offset of each record
+    row_ok = valid[:, None, None]
+    chunk = tl.arange(0, CHUNKS)[None, :, None]
+    elem = tl.arange(0, CHUNK)[None, None, :]
     if FP8:
-        # SPEC §9.1: e4m3 nope bytes times 2**(ue8m0 - 127) per 64-block; rope dims bf16.
-        codes = tl.load(u8_ptr + rows + nope_offset + cols[None, :], mask=valid[:, None] & is_nope, other=0)
-        scale_index = tl.minimum(cols // QBLOCK, NUM_SCALES - 1)
-        scale_base = page * page_stride + scale_offset + in_page * scale_stride
-        scale_byte = tl.load(u8_ptr + scale_base[:, None] + scale_index[None, :],
-                             mask=valid[:, None] & is_nope, other=127).to(tl.int32)
-        scale = ((scale_byte << 23).to(tl.float32, bitcast=True))  # 2**(byte-127), byte >= 1
-        nope = decode_e4m3(codes) * scale
-        rope = tl.load(bf16_ptr + (rows + rope_offset) // 2 + (cols[None, :] - NOPE),
-                       mask=valid[:, None] & (cols[None, :] >= NOPE), other=0.0).to(tl.float32)
-        return tl.where(is_nope, nope, rope)
+        codes = tl.load(u8_ptr + rows + nope_offset + chunk * CHUNK + elem,
+                        mask=row_ok & (chunk < NOPE_CHUNKS), other=0)
+        rope = tl.load(bf16_ptr + (rows + rope_offset) // 2 + elem, mask=row_ok, other=0.0)
+        scale_row = page * page_stride + scale_offset + in_page * scale_stride  # [BN] bytes, 8-aligned
+        word = tl.load(i64_ptr + (scale_row >> 3), mask=valid, other=0)
+        raw = codes
     else:
-        # bf16 rows: nope and rope both bf16 (rope_offset == nope_offset + 2 * NOPE for plain rows).
-        nope = tl.load(bf16_ptr + (rows + nope_offset) // 2 + cols[None, :],
-                       mask=valid[:, None] & is_nope, other=0.0).to(tl.float32)
-        rope = tl.load(bf16_ptr + (rows + rope_offset) // 2 + (cols[None, :] - NOPE),
-                       mask=valid[:, None] & (cols[None, :] >= NOPE), other=0.0).to(tl.float32)
-        return tl.where(is_nope, nope, rope)
+        raw = tl.load(bf16_ptr + (rows + nope_offset) // 2 + chunk * CHUNK + elem, mask=row_ok, other=0.0)
+        rope = tl.zeros([1, 1, CHUNK], tl.bfloat16)
+        word = tl.zeros([1], tl.int64)
+    return raw, rope, word
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, u8_ptr, bf16_ptr, idx_ptr, length, width, tile, cols,
-                 block_size, page_stride, token_stride, nope_offset, rope_offset, scale_offset, scale_stride,
-                 scale_log2,
-                 FP8: tl.constexpr, NOPE: tl.constexpr, QBLOCK: tl.constexpr, NUM_SCALES: tl.constexpr,
-                 BN: tl.constexpr, DOT_DTYPE: tl.constexpr, PROBS_BF16: tl.constexpr):
-    """One online-softmax step over keys ``tile*BN ..`` of one index list (log2 domain)."""
-    j = tile * BN + tl.arange(0, BN)
-    in_list = (j < length) & (j < width)
-    slots = tl.load(idx_ptr + j, mask=in_list, other=-1)
-    valid = in_list & (slots >= 0)  # SPEC §10: -1 entries are skipped
-    k = _load_latent_rows(u8_ptr, bf16_ptr, slots, valid, cols, block_size, page_stride, token_stride,
-                          nope_offset, rope_offset, scale_offset, scale_stride,
-                          FP8, NOPE, QBLOCK, NUM_SCALES).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN], fp32 accumulation
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if PROBS_BF16:
-        p = round_bf16(p)  # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V
-        acc += tl.dot(p.to(DOT_DTYPE), k)
-    elif DOT_DTYPE == tl.bfloat16:
-        # fp32 probabilities (vllm profile) through bf16 tensor cores: p = hi + lo, two exact-operand
-        # dots, relative error ~2**-16 instead of bf16's 2**-8.
-        p_hi = round_bf16(p)
-        acc += tl.dot(p_hi.to(tl.bfloat16), k) + tl.dot((p - p_hi).to(tl.bfloat16), k)
+def _dequantize(raw, rope, word, FP8: tl.constexpr, HW_FP8: tl.constexpr, NOPE_CHUNKS: tl.constexpr,
+                CHUNKS: tl.constexpr, CHUNK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """``_issue_gather``'s bytes -> K = V rows ``[BN, CHUNKS * CHUNK]`` in ``OUT_DTYPE`` (exact bf16 values)."""
+    if FP8:
+        chunk = tl.arange(0, CHUNKS)[None, :, None]
+        is_nope = chunk < NOPE_CHUNKS
+        # SPEC §9.1: value = e4m3 * 2**(ue8m0 - 127); the rope chunk keeps its bf16 values.
+        scale_byte = ((word[:, None, None] >> (chunk * 8).to(tl.int64)) & 255).to(tl.int32)  # [BN, C, 1]
+        scale_byte = tl.where(is_nope, scale_byte, 127)
+        scale = (scale_byte << 23).to(tl.float32, bitcast=True)  # 2**(byte-127), byte >= 1
+        if HW_FP8:
+            nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # hardware cvt, exact
+        else:
+            nope = decode_e4m3(raw)
+        # e4m3 (4 significant bits) times a power of two is a bf16 value: the cast is exact.
+        k = tl.where(is_nope, (nope * scale).to(OUT_DTYPE), rope.to(OUT_DTYPE))
     else:
-        acc += tl.dot(p, k)
-    return acc, m_new, l_i
+        k = raw.to(OUT_DTYPE)
+    return tl.reshape(k, [k.shape[0], CHUNKS * CHUNK])
 
 
 @triton.jit
 def _sparse_attention_kernel(
         q_ptr, stride_qt, stride_qh,
-        swa_u8, swa_bf16, swa_idx, swa_idx_stride, swa_lens,
+        swa_u8, swa_bf16, swa_i64, swa_idx, swa_idx_stride, swa_lens,
         swa_block, swa_page_stride, swa_token_stride, swa_nope_off, swa_rope_off, swa_scale_off, swa_scale_stride,
-        ext_u8, ext_bf16, ext_idx, ext_idx_stride, ext_lens,
+        ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx_stride, ext_lens,
         ext_block, ext_page_stride, ext_token_stride, ext_nope_off, ext_rope_off, ext_scale_off, ext_scale_stride,
         sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml,
         num_heads, swa_width, ext_width, scale_log2,
-        HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
-        QBLOCK: tl.constexpr, NUM_SCALES: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PROBS_BF16: tl.constexpr):
+        HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr, PREFETCH: tl.constexpr,
+        NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+        BH: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        PROBS_BF16: tl.constexpr):
+    """Grid (T, cdiv(H, BH), NUM_SPLITS). q [T,H,D] bf16; out [T,H,D] bf16; lse [T,H] fp32.
+
+    ``PREFETCH``: software pipeline in registers (launch with num_stages=1): the gather of tile
+    i+1 and the indices of tile i+2 are in flight while tile i is computed. Without it, loads are
+    issued in the tile's own iteration and Triton's pipeliner (num_stages > 1) schedules them.
+    The SWA and extra caches share one format: token stride, nope/rope offsets and scale stride
+    are taken from the SWA layout for both.
+    """
+    D: tl.constexpr = CHUNKS * CHUNK
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,37 +145,88 @@ def _sparse_attention_kernel(
     cols = tl.arange(0, D)
     t64 = t.to(tl.int64)
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+                mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)
 
-    swa_len = tl.load(swa_lens + t)
-    n_swa = tl.cdiv(tl.minimum(swa_len, swa_width), BN)
+    swa_len = tl.minimum(tl.load(swa_lens + t), swa_width)
+    n_swa = tl.cdiv(swa_len, BN)
     if HAS_EXTRA:
-        ext_len = tl.load(ext_lens + t)
-        n_ext = tl.cdiv(tl.minimum(ext_len, ext_width), BN)
+        ext_len = tl.minimum(tl.load(ext_lens + t), ext_width)
     else:
         ext_len = 0
-        n_ext = 0
-    total = n_swa + n_ext
+    total = n_swa + tl.cdiv(ext_len, BN)
     per_split = tl.cdiv(total, NUM_SPLITS)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, total)
+    swa_row = swa_idx + t64 * swa_idx_stride
+    ext_row = ext_idx + t64 * ext_idx_stride
 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
-    for tile in range(lo, tl.minimum(hi, n_swa)):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, swa_u8, swa_bf16, swa_idx + t64 * swa_idx_stride,
-                                     swa_len, swa_width, tile, cols, swa_block, swa_page_stride,
-                                     swa_token_stride, swa_nope_off, swa_rope_off, swa_scale_off,
-                                     swa_scale_stride, scale_log2, FP8, NOPE, QBLOCK, NUM_SCALES,
-                                     BN, DOT_DTYPE, PROBS_BF16)
-    if HAS_EXTRA:
-        for tile in range(tl.maximum(lo, n_swa), hi):
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, ext_u8, ext_bf16, ext_idx + t64 * ext_idx_stride,
-                                         ext_len, ext_width, tile - n_swa, cols, ext_block, ext_page_stride,
-                                         ext_token_stride, ext_nope_off, ext_rope_off, ext_scale_off,
-                                         ext_scale_stride, scale_log2, FP8, NOPE, QBLOCK, NUM_SCALES,
-                                         BN, DOT_DTYPE, PROBS_BF16)
+    if PREFETCH:
+        # Prologue: gather of tile lo in flight, indices of tile lo + 1 loaded.
+        local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
+            lo, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64,
+            swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, HAS_EXTRA)
+        slots, next_valid = _load_slots(idx_row, local, length, lo < hi, BN)
+        next_raw, next_rope, next_word = _issue_gather(
+            u8, bf16, i64, slots, next_valid, block, page_stride, swa_token_stride, swa_nope_off, swa_rope_off,
+            scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
+        local, after_row, length, _, _, _, _, _, _ = _tile_source(
+            lo + 1, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
+            ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off,
+            HAS_EXTRA)
+        after_slots, after_valid = _load_slots(after_row, local, length, lo + 1 < hi, BN)
+    for tile in range(lo, hi):
+        if PREFETCH:
+            raw, rope, word, valid = next_raw, next_rope, next_word, next_valid
+            # Issue tile + 1's gather (its indices arrived during the previous tile) and tile + 2's indices.
+            _, _, _, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
+                tile + 1, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
+                swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
+                ext_scale_off, HAS_EXTRA)
+            next_valid = after_valid
+            next_raw, next_rope, next_word = _issue_gather(
+                u8, bf16, i64, after_slots, next_valid, block, page_stride, swa_token_stride, swa_nope_off,
+                swa_rope_off, scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
+            local, after_row, length, _, _, _, _, _, _ = _tile_source(
+                tile + 2, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
+                swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
+                ext_scale_off, HAS_EXTRA)
+            after_slots, after_valid = _load_slots(after_row, local, length, tile + 2 < hi, BN)
+        else:
+            local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
+                tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
+                ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off,
+                HAS_EXTRA)
+            slots, valid = _load_slots(idx_row, local, length, tile < hi, BN)
+            raw, rope, word = _issue_gather(
+                u8, bf16, i64, slots, valid, block, page_stride, swa_token_stride, swa_nope_off, swa_rope_off,
+                scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
+        k = _dequantize(raw, rope, word, FP8, HW_FP8, NOPE_CHUNKS, CHUNKS, CHUNK, DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32 accumulation, log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)  # the denominator sums fp32 probabilities (SPEC §6.6)
+        acc = acc * alpha[:, None]
+        if PROBS_BF16:
+            # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V (RNE on every target).
+            acc = tl.dot(round_bf16(p).to(DOT_DTYPE), k, acc)
+        elif DOT_DTYPE == tl.bfloat16:
+            # fp32 probabilities (vllm profile) through bf16 tensor cores: p = hi + lo, two exact-operand
+            # dots, relative error ~2**-16 instead of bf16's 2**-8.
+            # One dot over [p_hi | p_lo] (interleaved, K = 2 * BN) and k with every row twice: two
+            # chained register-operand dots spill the accumulator.
+            p_hi = round_bf16(p)
+            p2 = tl.reshape(tl.join(p_hi, p - p_hi), [BH, 2 * BN]).to(tl.bfloat16)
+            k2 = tl.reshape(tl.broadcast_to(k[:, None, :], [BN, 2, D]), [2 * BN, D])
+            acc = tl.dot(p2, k2, acc)
+        else:
+            acc = tl.dot(p, k, acc)
+        m_i = m_new
 
     if NUM_SPLITS == 1:
         _finish(acc, m_i, l_i, sink_ptr, heads, head_ok, cols, out_ptr + t64 * stride_ot, stride_oh,
@@ -171,6 +256,7 @@ def _finish(acc, m_i, l_i, sink_ptr, heads, head_ok, cols, out_row, stride_oh, l
 @triton.jit
 def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, num_heads,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """Grid (T, H): merge NUM_SPLITS partials (max, sum, unnormalised out) of one (token, head)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -192,18 +278,86 @@ def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, 
             one, one < num_heads, cols, out_ptr + t * stride_ot, stride_oh, lse_ptr + t * num_heads)
 
 
+@dataclass(frozen=True)
+class SparseTuning:
+    """Launch shape of ``_sparse_attention_kernel`` (``default_tuning``; H200 sweep in docs/triton.md).
+
+    ``prefetch``: the kernel's own register pipeline (launched with one stage) instead of Triton's
+    (``num_stages`` > 1), which for this gather loop waits for each tile's loads right after
+    issuing them.
+    """
+
+    block_heads: int
+    block_keys: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    prefetch: bool
+
+
 def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms: int) -> int:
-    """Splits over keys so that a decode batch fills about two waves of the device; 1 for prefill."""
+    """Splits over keys so that programs fill about one wave of the device; 1 for prefill.
+
+    A 64-head program holds a ``[64, 512]`` fp32 accumulator, so one program runs per SM: a second
+    wave only adds a combine pass. ``round(num_sms / programs)`` keeps b=128 h=64 at one split
+    (128 programs on 132 SMs) and spreads small batches over the SMs.
+    """
     programs = num_tokens * head_blocks
-    if programs >= num_sms or max_tiles <= 1:
+    if max_tiles <= 1 or programs * 4 >= 3 * num_sms:
         return 1
-    return max(1, min(max_tiles, (2 * num_sms + programs - 1) // programs, 32))
+    return max(1, min(max_tiles, round(num_sms / programs), 64))
+
+
+def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int) -> SparseTuning:
+    """Heuristic launch shape for ``num_tokens`` queries of ``num_heads`` heads over ``key_width`` keys.
+
+    64-head blocks (the wgmma M; fewer heads use a 16/32 block and 4 warps), 64-key tiles
+    (16 under the interpreter), 8 warps, the register pipeline, splits from ``choose_num_splits``.
+    """
+    block_heads = max(16, min(64, next_pow2(num_heads)))
+    block_keys = 16 if INTERPRET else 64
+    splits = choose_num_splits(num_tokens, triton.cdiv(num_heads, block_heads),
+                               triton.cdiv(key_width, block_keys), num_sms)
+    return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, 1, splits, True)
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _hardware_e4m3(device: torch.device) -> bool:
+    # cvt e4m3x2 -> f16x2 exists on sm_89+; ROCm (FNUZ on gfx942), XPU and the interpreter decode in
+    # integer arithmetic (exact everywhere, SPEC §9.1).
+    if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, int]:
+    """(CHUNK, NOPE_CHUNKS, CHUNKS) of the kernel's ``[BN, CHUNKS, CHUNK]`` view of a record.
+
+    Rows are cut into rope-dim-wide chunks: the last is the bf16 rope, each other one nope chunk
+    with one UE8M0 scale (SPEC §9.1). Both caches must share the record layout (the kernel reads
+    one), fp8 scale rows must be 8-aligned (one 8-byte word a row) and bf16 rows contiguous.
+    """
+    chunk = swa.rope_dim
+    same = ("format_name", "token_stride", "nope_offset", "rope_offset", "scale_stride")
+    if any(getattr(swa, name) != getattr(ext, name) for name in same):
+        raise CacheLayoutError.of("extra_cache", f"the record layout of swa_cache ({swa.format_name})",
+                                  ext.format_name)
+    if swa.nope_dim % chunk or (swa.fp8_nope and swa.quant_block != chunk):
+        raise CacheLayoutError.of("kv_format", f"nope dims a multiple of the rope dim {chunk} with one scale "
+                                  f"per {chunk} (SPEC §9.1)", f"{swa.format_name}: nope {swa.nope_dim}, "
+                                  f"quant block {swa.quant_block}")
+    if swa.fp8_nope:
+        offsets = (swa.page_stride, ext.page_stride, swa.scale_offset, ext.scale_offset, swa.scale_stride)
+        if any(v % 8 for v in offsets):
+            raise CacheLayoutError.of("kv_format", "8-aligned UE8M0 scale rows (SPEC §9.1)", swa.format_name)
+    elif swa.rope_offset != swa.nope_offset + 2 * swa.nope_dim:
+        raise CacheLayoutError.of("kv_format", "contiguous bf16 rows (SPEC §9.2)", swa.format_name)
+    return chunk, swa.nope_dim // chunk, swa.row_dim // chunk
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: LatentLayout,
@@ -213,61 +367,60 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      sink: torch.Tensor, *, softmax_scale: float, probs_bf16: bool,
                      num_splits: int | None = None, block_heads: int | None = None,
                      block_keys: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch. q [T,H,D] bf16; indices int32 global slots; lens [T] int32; sink [H] fp32.
+                     num_stages: int | None = None,
+                     prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch. q [T,H,D] bf16; indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32.
 
     Returns (out [T,H,D] bf16, lse [T,H] fp32). Inputs are assumed validated by the backend.
-    The tuning keywords (``num_splits``, ``block_heads`` ...) default to the heuristics here.
+    The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``.
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0:
         return out, lse
-    bh = block_heads or max(16, min(64, next_pow2(num_heads)))
-    bn = block_keys or (16 if INTERPRET else 32)
-    head_blocks = triton.cdiv(num_heads, bh)
     has_extra = extra_cache is not None and extra_indices is not None
     swa_width = swa_indices.shape[1]
     ext_width = extra_indices.shape[1] if has_extra else 0
-    max_tiles = triton.cdiv(swa_width, bn) + triton.cdiv(ext_width, bn)
-    splits = num_splits or choose_num_splits(num_tokens, head_blocks, max_tiles, _num_sms(q.device))
-    dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
+    num_sms = _num_sms(q.device)
+    tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms)
+    bh = block_heads or tuning.block_heads
+    bn = block_keys or tuning.block_keys
+    head_blocks = triton.cdiv(num_heads, bh)
+    splits = num_splits or choose_num_splits(num_tokens, head_blocks,
+                                             triton.cdiv(swa_width, bn) + triton.cdiv(ext_width, bn), num_sms)
+    use_prefetch = tuning.prefetch if prefetch is None else prefetch
+    swa = swa_layout
+    ext = extra_layout if has_extra else swa_layout
+    chunk, nope_chunks, chunks = _record_geometry(swa, ext)
     if splits > 1:
         part_acc = torch.empty((num_tokens * num_heads * splits, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_tokens * num_heads * splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = lse  # unused placeholders
-    swa = swa_layout
-    ext = extra_layout if has_extra else swa_layout
     ext_cache = extra_cache if has_extra else swa_cache
     ext_idx = extra_indices if has_extra else swa_indices
     ext_lens = extra_lens if has_extra else swa_lens
     swa_u8, swa_bf16 = swa.byte_views(swa_cache)
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
-    kwargs = {}
-    if num_warps is not None:
-        kwargs["num_warps"] = num_warps
-    elif not INTERPRET:
-        kwargs["num_warps"] = 8 if bh >= 64 else 4
-    if num_stages is not None:
-        kwargs["num_stages"] = num_stages
-    elif not INTERPRET:
-        # H200 sweep (docs/triton.md): 3 stages best for split decode, 2 for prefill.
-        kwargs["num_stages"] = 3 if splits > 1 else 2
+    # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).
+    swa_i64, ext_i64 = swa_u8.view(torch.int64), ext_u8.view(torch.int64)
+    launch = {}
+    if not INTERPRET:
+        launch["num_warps"] = num_warps or (8 if bh >= 64 else 4)
+        launch["num_stages"] = num_stages or (1 if use_prefetch else 2)
     _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
         q, q.stride(0), q.stride(1),
-        swa_u8, swa_bf16, swa_indices, swa_indices.stride(0), swa_lens, *swa.kernel_args(),
-        ext_u8, ext_bf16, ext_idx, ext_idx.stride(0), ext_lens, *ext.kernel_args(),
+        swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa.kernel_args(),
+        ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext.kernel_args(),
         sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
         num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
-        HAS_EXTRA=has_extra, FP8=swa.fp8_nope, D=dim, NOPE=swa.nope_dim, QBLOCK=swa.quant_block,
-        NUM_SCALES=max(1, swa.num_scales), BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
-        PROBS_BF16=probs_bf16, **kwargs)
+        HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and _hardware_e4m3(q.device),
+        PREFETCH=use_prefetch, NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
+        BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+        PROBS_BF16=probs_bf16, **launch)
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, sink, out, out.stride(0), out.stride(1), lse, num_heads,
             D=dim, NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits))
     return out, lse
-
-

@@ -1,0 +1,318 @@
+"""``dsv4-conformance``: list backends, run the suite, check goldens, replay layer goldens, plan memory.
+
+Subcommands (``run`` is the default)::
+
+    dsv4-conformance list  [--json]
+    dsv4-conformance run   [--backend NAME ...] [--op OP ...] [-k EXPR] [--device DEV]
+                           [--json PATH] [--junit PATH] [--differential A B [--seed N]]
+    dsv4-conformance golden --verify | --regenerate
+    dsv4-conformance layer-golden FILE.json [--backend NAME] [--device DEV] [--save-outputs OUT.safetensors]
+    dsv4-conformance plan  (--preset NAME | --config config.json) [--context N] [--profile P] [--json]
+
+Exit status: 0 when everything ran passed (expected failures excepted), 1 on any failure or
+error, 2 on a usage error. With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load makes
+every subcommand exit 1.
+
+``plan`` arithmetic (SPEC §9), which ``--json`` shows in full: a layer kind's bytes per token is
+the bytes of one cache row divided by the raw tokens it covers, page padding included. With the
+vLLM geometry and the ``deepseek`` profile: an HCA layer stores one 584 B ``fp8_ds_mla`` row per
+128 tokens (4.5625 B/token of payload); a CSA layer stores one 584 B row plus one 68 B
+``indexer_mxfp4`` key per 4 tokens (163 B/token) plus compressor state; SWA layers hold only
+the 128-token window, so their per-token cost tends to 0 and ``bytes`` is a constant. The total
+for a request of N tokens is the sum over groups of pages x page bytes x layers of the group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def _console():
+    import sys as _sys
+
+    from rich.console import Console
+
+    # Logs and CI are not terminals: rich would wrap the tables at 80 columns.
+    return Console(stderr=False, highlight=False, width=None if _sys.stdout.isatty() else 180)
+
+
+def _interpret_triton_without_gpu() -> None:
+    """With no GPU, run the Triton backend's kernels under the interpreter (the CPU main job).
+
+    Set before any kernel module is imported; an explicit TRITON_INTERPRET in the environment wins.
+    """
+    import os
+
+    import torch
+
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    has_gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    if not has_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4-conformance",
+                                     description="Prove every dsv4 backend computes the same function (SPEC §13).")
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("list", help="backends, plugin status, reasons, package versions, device")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("run", help="run the conformance suite (default: every available backend)")
+    _run_arguments(p)
+    p = sub.add_parser("golden", help="check or rewrite the stored goldens")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--verify", action="store_true", help="recompute every golden and compare (sha256 first)")
+    group.add_argument("--regenerate", action="store_true", help="rewrite goldens and manifest (explicit only)")
+    p = sub.add_parser("layer-golden", help="replay a dsv4-layer-golden/1 file (SPEC §14)")
+    p.add_argument("file")
+    p.add_argument("--backend", action="append", default=None,
+                   help="NAME for every op, or OP=NAME for one op (repeatable, comma-separated)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--save-outputs", default=None, metavar="OUT.safetensors")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned; gloo on CPU, NCCL on GPUs)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (spawned)")
+    p = sub.add_parser("plan", help="KV memory of one request, per layer kind and total (SPEC §9)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help="v4-flash, v4-pro, tiny, tiny-g2")
+    source.add_argument("--config", help="path of a config.json")
+    p.add_argument("--context", type=int, default=1 << 20, help="tokens in the request (default 1048576)")
+    p.add_argument("--profile", default="deepseek")
+    p.add_argument("--geometry", default="vllm")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", default=None, help="backend name (repeatable)")
+    p.add_argument("--op", action="append", default=None, help="op name (repeatable)")
+    p.add_argument("-k", dest="keyword", default=None, help="case id substring expression (and/or/not)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    p.add_argument("--junit", dest="junit_path", default=None, metavar="PATH")
+    p.add_argument("--differential", nargs=2, metavar=("A", "B"), default=None,
+                   help="compare backend B against A on fresh random inputs")
+    p.add_argument("--seed", type=int, default=None, help="differential mode seed (default: random)")
+
+
+def _registry():
+    from dsv4.registry import get_registry
+
+    return get_registry()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from dsv4.conformance.report import environment
+    from dsv4.conformance.runner import backend_statuses
+    from rich.table import Table
+
+    registry = _registry()
+    statuses = backend_statuses(registry)
+    plugins = [s.as_dict() for s in registry.plugin_statuses()]
+    if args.json:
+        print(json.dumps({"environment": environment(), "backends": statuses, "plugins": plugins}, indent=1,
+                         default=str))
+        return 0
+    console = _console()
+    env = environment()
+    console.print(f"torch {env['torch']}  triton {env['triton']}  device {env['device_name']}  "
+                  f"python {env['python']}")
+    table = Table(title="dsv4 backends")
+    for column in ("backend", "status", "plugin", "versions", "reasons"):
+        table.add_column(column, overflow="fold")
+    for name, info in statuses.items():
+        color = {"available": "green", "unavailable": "yellow"}.get(info["status"], "red")
+        versions = ", ".join(f"{k} {v}" for k, v in info["package_versions"].items()) or "-"
+        table.add_row(name, f"[{color}]{info['status']}[/]", str(info.get("plugin")), versions,
+                      "\n".join(info["reasons"]) or "-")
+    console.print(table)
+    return 0
+
+
+def _print_results(result: Any) -> None:
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"dsv4 conformance on {result.device}")
+    for column in ("backend", "op", "case", "outcome", "max abs err", "cos diff", "s", "detail"):
+        table.add_column(column, overflow="fold")
+    colors = {"passed": "green", "failed": "red", "error": "red", "unsupported": "yellow", "skipped": "dim"}
+    for row in result.rows:
+        errs = [m.get("max_abs_err") for m in row.metrics.values() if isinstance(m.get("max_abs_err"), float)]
+        coss = [m.get("cos_diff") for m in row.metrics.values() if isinstance(m.get("cos_diff"), float)]
+        outcome = f"[{colors[row.outcome]}]{row.outcome}[/]" + (" (expected)" if row.expected_failure else "")
+        table.add_row(row.backend, row.op, row.case.split("/", 1)[1], outcome,
+                      f"{max(errs):.2e}" if errs else "-", f"{max(coss):.1e}" if coss else "-",
+                      f"{row.seconds:.2f}", row.summary()[:160])
+    console.print(table)
+    counts = result.counts()
+    color = "green" if result.passed else "red"
+    console.print(f"[{color}]" + ", ".join(f"{v} {k}" for k, v in counts.items()) + "[/]")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dsv4.conformance.cases import default_cases, select_cases
+    from dsv4.conformance.report import build_report, write_json, write_junit
+    from dsv4.conformance.runner import run_differential, run_suite
+    from rich.progress import Progress
+
+    cases = select_cases(default_cases(), args.op, args.keyword)
+    registry = _registry()
+    if args.backend:
+        for name in args.backend:
+            registry.get(name)  # unknown name: NoBackendError listing the known ones
+    backends = args.backend or registry.available_backends()
+    runs = 1 if args.differential else max(1, len(backends))
+    with Progress(transient=True) as bar:
+        task = bar.add_task("conformance", total=len(cases) * runs)
+
+        def progress(backend: str, case_id: str, outcome: str) -> None:
+            bar.update(task, advance=1, description=f"{backend} {case_id}")
+
+        if args.differential:
+            result = run_differential(*args.differential, cases=cases, seed=args.seed, device=args.device,
+                                      registry=registry, progress=progress)
+        else:
+            result = run_suite(backends, cases, device=args.device, registry=registry, progress=progress)
+    _print_results(result)
+    report = build_report(result)
+    if args.json_path:
+        write_json(report, args.json_path)
+    if args.junit_path:
+        write_junit(report, args.junit_path)
+    return 0 if result.passed and result.rows else 1
+
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    from dsv4.conformance.golden import GoldenStore, regenerate
+
+    console = _console()
+    if args.regenerate:
+        manifest = regenerate()
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        console.print(f"wrote {len(manifest['cases'])} goldens in {len(manifest['files'])} files ({size} bytes)")
+        return 0
+    store = GoldenStore()
+    files = store.verify_files()
+    console.print(f"sha256 ok: {', '.join(files)}")
+    from dsv4.backends.reference import ReferenceBackend
+    from dsv4.conformance.cases import default_cases, prepare
+    from dsv4.conformance.golden import expected_outputs
+    from dsv4.conformance.runner import compare_outputs
+
+    failures = 0
+    reference = ReferenceBackend()
+    for case in default_cases():
+        prepared = prepare(case)
+        stored, why = store.lookup(case, prepared)
+        if stored is None:
+            console.print(f"[red]{case.id}: {why}[/]")
+            failures += 1
+            continue
+        fresh = expected_outputs(prepared, reference)
+        metrics = compare_outputs(prepared, fresh, stored)
+        bad = [k for k, m in metrics.items() if m.get("passed") is False]
+        if bad:
+            failures += 1
+            console.print(f"[red]{case.id}: {', '.join(bad)} differ: "
+                          f"{'; '.join(metrics[k].get('reason', '') for k in bad)}[/]")
+    console.print(f"[{'red' if failures else 'green'}]{failures} golden(s) differ[/]")
+    return 1 if failures else 0
+
+
+def cmd_layer_golden(args: argparse.Namespace) -> int:
+    from dsv4.conformance.layer_golden import run_layer_golden
+    from rich.table import Table
+
+    if args.tp > 1 or args.cp > 1:
+        from dsv4.conformance.parallel_golden import run_layer_golden_parallel
+
+        if args.save_outputs:
+            raise SystemExit("--save-outputs is not supported with --tp/--cp")
+        result = run_layer_golden_parallel(args.file, tp=args.tp, cp=args.cp, backend=args.backend,
+                                           device=args.device)
+    else:
+        result = run_layer_golden(args.file, backend=args.backend, device=args.device,
+                                  save_outputs=args.save_outputs)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    table = Table(title=f"layer golden {args.file} (backend {result.backend}, device {result.device})")
+    columns = ("layer_id", "kind", "rows", "min_cosine", "mean_cosine", "fraction_ge_0999", "passed")
+    for column in columns:
+        table.add_column(column)
+    for row in result.rows:
+        cells = []
+        for column in columns:
+            value = row.get(column, row.get(column.replace("fraction_ge_0999", "fraction_at_least_0999"), "-"))
+            cells.append(f"{value:.6f}" if isinstance(value, float) else str(value))
+        table.add_row(*cells)
+    console = _console()
+    console.print(table)
+    for op, names in sorted(getattr(result, "backends_used", {}).items()):
+        console.print(f"  {op}: {', '.join(names)}")
+    console.print("[green]passed[/]" if result.passed else "[red]failed[/]")
+    return 0 if result.passed else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dsv4.specs.config import ModelConfig
+    from dsv4.specs.planner import plan_report
+    from rich.table import Table
+
+    if args.preset:
+        cfg = ModelConfig.preset(args.preset)
+    else:
+        with open(args.config) as f:
+            cfg = ModelConfig.from_hf_config(json.load(f))
+    report = plan_report(cfg, args.context, profile=args.profile, geometry=args.geometry)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    console = _console()
+    table = Table(title=f"KV memory for one request of {args.context} tokens "
+                        f"({report['profile']}, {report['geometry']} geometry)")
+    for column in ("layer kind", "ratio", "layers", "bytes/token/layer", "bytes"):
+        table.add_column(column, justify="right")
+    for kind, info in report["layer_kinds"].items():
+        table.add_row(kind, str(info["ratio"]), str(info["count"]), f"{info['bytes_per_token_per_layer']:.4f}",
+                      f"{info['bytes']:,}")
+    console.print(table)
+    totals = report["totals"]
+    console.print(f"total {totals['bytes']:,} bytes ({totals['gib']:.3f} GiB), "
+                  f"{totals['bytes_per_token']:.2f} bytes/token")
+    return 0
+
+
+_COMMANDS = {"list": cmd_list, "run": cmd_run, "golden": cmd_golden, "layer-golden": cmd_layer_golden,
+             "plan": cmd_plan}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dsv4-conformance``; returns the exit status (see module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]
+    args = build_parser().parse_args(argv)
+    _interpret_triton_without_gpu()
+    from dsv4.registry import PluginLoadError
+    from dsv4.specs.errors import DSV4Error
+
+    try:
+        return _COMMANDS[args.command](args)
+    except PluginLoadError as exc:
+        print(f"dsv4-conformance: {exc}", file=sys.stderr)
+        return 1
+    except DSV4Error as exc:
+        print(f"dsv4-conformance: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Comparison metrics (SPEC §13): every case reports max abs / rel error and where, pass fraction,
+cosine difference, NaN/Inf position mismatches, and for caches a byte-exact flag.
+
+All comparisons run on the CPU in float64. ``where`` is a multi-dimensional index (a list of
+ints) into the compared tensor; for caches it is ``[slot, element]`` of the dequantized rows and
+``[block, byte]`` of the first differing byte.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from dsv4.conformance.tolerances import E4M3_MANTISSA_BITS, Tolerance
+
+__all__ = ["check_topk", "compare_cache", "compare_tensor", "cosine_difference", "topk_scores"]
+
+
+def _where(flat_index: int, shape: torch.Size) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(int(flat_index % size))
+        flat_index //= size
+    return list(reversed(out))
+
+
+def _num(x: float) -> float | str:
+    # JSON has no NaN/Inf: write them as strings so reports stay valid JSON.
+    return x if math.isfinite(x) else str(x)
+
+
+def cosine_difference(a: torch.Tensor, e: torch.Tensor) -> float:
+    """``1 - 2 sum(a e) / (sum a^2 + sum e^2)`` over float64 copies (0 when both are all zero)."""
+    a, e = a.double().flatten(), e.double().flatten()
+    denominator = float((a * a).sum() + (e * e).sum())
+    return 0.0 if denominator == 0.0 else 1.0 - 2.0 * float((a * e).sum()) / denominator
+
+
+def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
+    """Element-wise comparison of ``actual`` against ``expected`` under ``tol`` (see tolerances.py)."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        return {"passed": False, "reason": f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"}
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    nan_mismatch = int((a.isnan() != e.isnan()).sum())
+    inf_mismatch = int(((a == math.inf) != (e == math.inf)).sum() + ((a == -math.inf) != (e == -math.inf)).sum())
+    finite = a.isfinite() & e.isfinite()
+    same_special = (~a.isfinite()) & (~e.isfinite()) & ((a == e) | (a.isnan() & e.isnan()))
+    diff = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
+    scale = e.abs()
+    rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300),
+                      torch.where(diff > 0, torch.full_like(diff, math.inf), torch.zeros_like(diff)))
+    element_ok = (finite & ((diff <= tol.abs_tol) | (diff <= tol.rel_tol * scale))) | same_special
+    count = max(a.numel(), 1)
+    pass_fraction = float(element_ok.sum()) / count
+    metrics: dict[str, Any] = {
+        "numel": a.numel(),
+        "pass_fraction": pass_fraction,
+        "nan_mismatch": nan_mismatch,
+        "inf_mismatch": inf_mismatch,
+        "max_abs_err": 0.0, "max_abs_where": None, "max_rel_err": 0.0, "max_rel_where": None,
+    }
+    if a.numel():
+        i = int(diff.flatten().argmax())
+        metrics.update(max_abs_err=float(diff.flatten()[i]), max_abs_where=_where(i, a.shape),
+                       actual_at_max=_num(float(a.flatten()[i])), expected_at_max=_num(float(e.flatten()[i])))
+        j = int(rel.flatten().argmax())
+        metrics.update(max_rel_err=_num(float(rel.flatten()[j])), max_rel_where=_where(j, a.shape))
+        bad = (~element_ok).flatten().nonzero()
+        metrics["first_fail_where"] = _where(int(bad[0]), a.shape) if bad.numel() else None
+    zero = torch.zeros_like(a)
+    metrics["cos_diff"] = cosine_difference(torch.where(finite, a, zero), torch.where(finite, e, zero))
+    reasons = []
+    if nan_mismatch or inf_mismatch:
+        reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf)")
+    if pass_fraction < tol.min_pass_fraction:
+        reasons.append(f"pass fraction {pass_fraction:.6f} < {tol.min_pass_fraction}")
+    if tol.cos_diff is not None and metrics["cos_diff"] > tol.cos_diff:
+        reasons.append(f"cosine difference {metrics['cos_diff']:.3g} > {tol.cos_diff}")
+    metrics["passed"] = not reasons
+    if reasons:
+        metrics["reason"] = "; ".join(reasons)
+    return metrics
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | None, tol: Tolerance) -> dict[str, Any]:
+    """Byte-exact check of a cache storage; where bytes differ, the dequantized rows of every slot
+    must agree within one e4m3 ULP of the reference, with the same NaN positions (SPEC §13)."""
+    if tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype:
+        return {"passed": False, "byte_exact": False,
+                "reason": f"storage {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"}
+    a_bytes, e_bytes = _bytes(actual), _bytes(expected)
+    differs = a_bytes != e_bytes
+    metrics: dict[str, Any] = {"byte_exact": not bool(differs.any()), "bytes_differing": int(differs.sum())}
+    if metrics["byte_exact"]:
+        metrics.update(passed=True, max_abs_err=0.0, pass_fraction=1.0, nan_mismatch=0, inf_mismatch=0)
+        return metrics
+    first = differs.flatten().nonzero()[0]
+    metrics["first_byte_where"] = _where(int(first), a_bytes.shape)
+    metrics["byte_actual"], metrics["byte_expected"] = int(a_bytes.flatten()[first]), int(e_bytes.flatten()[first])
+    if codec is None:  # a typed tensor (compressor state): compare the elements
+        element = compare_tensor(actual, expected, Tolerance(abs_tol=0.0, rel_tol=2.0 ** -22))
+        metrics.update({k: v for k, v in element.items() if k != "passed"}, passed=element["passed"])
+        return metrics
+    block = codec.block_size_of(expected)
+    slots = torch.arange(expected.shape[0] * block, dtype=torch.int64)
+    a = codec.read_rows(actual.detach().cpu(), slots).double()
+    e = codec.read_rows(expected.detach().cpu(), slots).double()
+    # one e4m3 ULP of the reference value: 2^(floor(log2|e|) - 3); a floor for zeros / subnormals
+    # at 2^-17 of the row's amax (a UE8M0 block scale is about amax/448, subnormal step 2^-9 of it)
+    finite_e = torch.where(e.isfinite(), e.abs(), torch.zeros_like(e))
+    ulp = torch.exp2(torch.floor(torch.log2(finite_e.clamp_min(1e-300))) - E4M3_MANTISSA_BITS)
+    floor = finite_e.amax(dim=1, keepdim=True) * 2.0 ** -17
+    within = compare_tensor(a, e, Tolerance())
+    diff = torch.where(a.isfinite() & e.isfinite(), (a - e).abs(), torch.zeros_like(a))
+    ok = diff <= torch.maximum(ulp, floor)
+    metrics.update({k: v for k, v in within.items() if k not in ("passed", "reason", "pass_fraction")})
+    metrics["dequantized_within_one_ulp"] = bool(ok.all())
+    metrics["pass_fraction"] = float(ok.double().mean())
+    metrics["where_is"] = "max_abs_where = [slot, element] of dequantized rows; first_byte_where = [block, byte]"
+    reasons = []
+    if within["nan_mismatch"] or within["inf_mismatch"]:
+        reasons.append(f"written/unwritten slots differ: {within['nan_mismatch']} NaN and "
+                       f"{within['inf_mismatch']} Inf position mismatches in dequantized rows")
+    if not ok.all():
+        bad = (~ok).flatten().nonzero()[0]
+        reasons.append(f"bytes differ and dequantized value at [slot, element] {_where(int(bad), a.shape)} is "
+                       f"more than one e4m3 ULP off")
+    metrics["passed"] = not reasons
+    if reasons:
+        metrics["reason"] = "; ".join(reasons)
+    return metrics
+
+
+def topk_scores(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                key_cache: torch.Tensor, key_block_table: torch.Tensor, codec: Any, ratio: int,
+                block_size: int) -> torch.Tensor:
+    """float64 reference scores ``[T, N]`` (SPEC §6.3) on dequantized keys; -inf where not visible.
+
+    q [T,64,128], w [T,64], key_block_table [R, mb] int32 -> scores [T, N] with N the most
+    visible entries of any token.
+    """
+    q, w = q.detach().cpu().double(), w.detach().cpu().double()
+    positions, token_request = positions.cpu(), token_request.cpu().long()
+    table = key_block_table.detach().cpu().long()
+    visible = (positions + 1) // ratio
+    n = int(visible.max()) if visible.numel() else 0
+    scores = torch.full((q.shape[0], max(n, 1)), -math.inf, dtype=torch.float64)
+    entries = torch.arange(n)
+    for t in range(q.shape[0]):
+        count = int(visible[t])
+        if count == 0:
+            continue
+        idx = entries[:count]
+        slots = table[token_request[t], idx // block_size] * block_size + idx % block_size
+        keys = codec.read_rows(key_cache.detach().cpu(), slots).double()  # [count, 128]
+        logits = torch.relu(q[t] @ keys.T)  # [64, count]
+        scores[t, :count] = (w[t].unsqueeze(1) * logits).sum(0)
+    return scores
+
+
+def check_topk(actual: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int,
+               tol: Tolerance) -> dict[str, Any]:
+    """SPEC §13 tie-aware top-k rule per row: right count, valid first then -1, no duplicates, only
+    visible entries, and every pick scoring >= the k-th best score - slack * (max - min)."""
+    actual = actual.detach().cpu().long()
+    if tuple(actual.shape) != (scores.shape[0], topk):
+        return {"passed": False, "reason": f"shape {tuple(actual.shape)} != ({scores.shape[0]}, {topk})"}
+    failures: list[tuple[int, int, str]] = []
+    worst_shortfall = 0.0
+    for t in range(actual.shape[0]):
+        visible = int((positions[t] + 1) // ratio)
+        count = min(topk, visible)
+        row = actual[t]
+        picks = row[:count]
+        if bool((row[count:] != -1).any()):
+            failures.append((t, count, "entries after the valid count are not -1"))
+            continue
+        if bool(((picks < 0) | (picks >= visible)).any()):
+            col = int(((picks < 0) | (picks >= visible)).nonzero()[0])
+            failures.append((t, col, f"entry {int(picks[col])} not visible (visible: {visible})"))
+            continue
+        if picks.unique().numel() != count:
+            failures.append((t, 0, "duplicate entries"))
+            continue
+        if count == 0 or count == visible:
+            continue
+        row_scores = scores[t, :visible]
+        kth = float(row_scores.topk(count).values[-1])
+        slack = tol.score_slack * float(row_scores.max() - row_scores.min())
+        picked = row_scores[picks]
+        shortfall = kth - float(picked.min())
+        worst_shortfall = max(worst_shortfall, shortfall)
+        if shortfall > slack:
+            col = int(picked.argmin())
+            failures.append((t, col, (f"entry {int(picks[col])} scores {float(picked[col]):.6g} < k-th "
+                                     f"{kth:.6g} - {slack:.3g}")))
+    rows = actual.shape[0]
+    metrics: dict[str, Any] = {
+        "numel": actual.numel(), "rows": rows, "rows_failed": len(failures),
+        "pass_fraction": (rows - len(failures)) / max(rows, 1), "worst_score_shortfall": worst_shortfall,
+        "nan_mismatch": 0, "inf_mismatch": 0, "passed": not failures,
+    }
+    if failures:
+        t, col, why = failures[0]
+        metrics["first_fail_where"] = [t, col]
+        metrics["reason"] = f"row {t}: {why}"
+    return metrics

@@ -1,0 +1,98 @@
+"""pytest integration: ``pytest -p dsv4.conformance.pytest_plugin --dsv4-backend NAME`` runs the suite.
+
+Every (backend, case) becomes one test item ``dsv4-conformance::<backend>::<case id>`` (marker
+``dsv4_conformance``; select with ``-m dsv4_conformance`` or ``-k``). Outcomes map to pytest's:
+``failed`` -> failure (message names the op, output and where), ``error`` -> error,
+``unsupported`` / ``skipped`` -> skip with the backend's reasons. Cases listed in the backend's
+``expected_failures`` (glob -> reason, kept with the backend) are marked xfail; an entry that
+matches no case raises a warning so the list does not rot.
+
+Registered for plain ``pytest --dsv4-backend NAME`` through a ``pytest11`` entry point
+(``dsv4 = "dsv4.conformance.pytest_plugin"``) when the distribution declares one.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import pytest
+
+__all__ = ["ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("dsv4", "dsv4 conformance suite")
+    group.addoption("--dsv4-backend", action="append", default=[], metavar="NAME",
+                    help="run the dsv4 conformance suite on this backend (repeatable)")
+    group.addoption("--dsv4-device", default="cpu", help="device for --dsv4-backend (default cpu)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "dsv4_conformance: a dsv4 conformance case (SPEC §13)")
+
+
+class ConformanceCollector(pytest.Collector):
+    """Holds the conformance items of one backend."""
+
+    def collect(self) -> list[pytest.Item]:  # items are added in pytest_collection_modifyitems
+        return []
+
+
+class ConformanceItem(pytest.Item):
+    """One conformance case on one backend."""
+
+    def __init__(self, *, backend: str, case: Any, device: str, shared: dict, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend_name, self.case, self.device, self.shared = backend, case, device, shared
+        self.add_marker(pytest.mark.dsv4_conformance)
+
+    def runtest(self) -> None:
+        import torch
+        from dsv4.conformance.golden import GoldenStore
+        from dsv4.conformance.runner import run_case
+        from dsv4.registry import get_registry
+
+        registry = get_registry()
+        probe = registry.probe(self.backend_name)
+        if probe:
+            pytest.skip(f"backend {self.backend_name} unavailable: {'; '.join(probe)}")
+        store = self.shared.setdefault("golden", GoldenStore())
+        row = run_case(registry.get(self.backend_name), self.case, torch.device(self.device), store,
+                       self.shared.setdefault("expected", {}))
+        self.user_properties.append(("dsv4_row", json.dumps(row.as_dict(), default=str)))
+        if row.outcome in ("unsupported", "skipped"):
+            pytest.skip(f"{row.outcome}: {'; '.join(row.reasons)}")
+        if row.outcome == "error":
+            raise RuntimeError("\n".join(row.reasons))
+        if row.outcome == "failed":
+            raise AssertionError(row.summary())
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "dsv4-conformance", 0, f"{self.backend_name}::{self.case.id}"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    backends = config.getoption("--dsv4-backend")
+    if not backends:
+        return
+    from dsv4.conformance.cases import default_cases
+    from dsv4.conformance.runner import expected_failure_for, unmatched_expected_failures
+    from dsv4.registry import get_registry
+
+    registry = get_registry()
+    cases = default_cases()
+    shared: dict = {}
+    for name in backends:
+        backend = registry.get(name)
+        for pattern in unmatched_expected_failures(backend, cases):
+            warnings.warn(pytest.PytestWarning(
+                f"dsv4 backend {name}: expected failure {pattern!r} matches no conformance case"), stacklevel=1)
+        parent = ConformanceCollector.from_parent(session, name=f"dsv4-conformance::{name}")
+        for case in cases:
+            item = ConformanceItem.from_parent(parent, name=f"{name}::{case.id}", backend=name, case=case,
+                                               device=config.getoption("--dsv4-device"), shared=shared)
+            reason = expected_failure_for(backend, case.id)
+            if reason:
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
+            items.append(item)

@@ -1,0 +1,289 @@
+"""The conformance runner: every backend x every case it supports, compared by SPEC §13.
+
+Outcomes per (backend, case): ``passed``, ``failed`` (numerics), ``error`` (an exception),
+``unsupported`` (the backend's own ``not_supported_reasons``), ``skipped`` (environment: the
+backend is not available here). A row matching the backend's ``expected_failures`` keeps its
+outcome and carries the reason in ``expected_failure``; it does not fail the run.
+
+Expected outputs come from the stored goldens when they match this machine's inputs, else from
+the reference backend run live (``expected_source`` says which). Differential mode
+(:func:`run_differential`) compares two backends on fresh random inputs instead.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from dsv4.backend import Backend, OpRequest
+from dsv4.conformance.cases import Case, Prepared, clone_prepared, default_cases, execute, prepare
+from dsv4.conformance.golden import GoldenStore, expected_outputs
+from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
+from dsv4.conformance.tolerances import tolerance_for
+from dsv4.ops.dispatch import arch_of
+from dsv4.ops.library import request_fields
+from dsv4.registry import Registry, get_registry
+
+__all__ = [
+    "OUTCOMES",
+    "ResultRow",
+    "SuiteResult",
+    "compare_outputs",
+    "expected_failure_for",
+    "run_differential",
+    "run_suite",
+    "unmatched_expected_failures",
+]
+
+OUTCOMES = ("passed", "failed", "error", "unsupported", "skipped")
+Progress = Callable[[str, str, str], None]  # (backend, case id, outcome)
+
+
+@dataclass
+class ResultRow:
+    """One (backend, case) result; ``as_dict`` is the JSON report row."""
+
+    backend: str
+    op: str
+    case: str
+    outcome: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+    expected_failure: str | None = None
+    expected_source: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def counts_as_failure(self) -> bool:
+        return self.outcome in ("failed", "error") and self.expected_failure is None
+
+    def summary(self) -> str:
+        """One line naming the failing output and where (for tables and JUnit messages)."""
+        if self.outcome in ("unsupported", "skipped", "error"):
+            return "; ".join(self.reasons)[:300]
+        bad = [(name, m) for name, m in self.metrics.items() if isinstance(m, dict) and m.get("passed") is False]
+        if not bad:
+            return ""
+        name, m = bad[0]
+        where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
+        return f"{self.op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "op": self.op, "case": self.case, "outcome": self.outcome,
+                "metrics": self.metrics, "seconds": round(self.seconds, 6), "reasons": self.reasons,
+                "expected_failure": self.expected_failure, "expected_source": self.expected_source,
+                "params": self.params}
+
+
+@dataclass
+class SuiteResult:
+    rows: list[ResultRow]
+    backends: dict[str, dict[str, Any]]
+    device: str
+
+    @property
+    def passed(self) -> bool:
+        return not any(r.counts_as_failure for r in self.rows)
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(OUTCOMES, 0)
+        for row in self.rows:
+            out[row.outcome] += 1
+        return out
+
+
+def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
+    args, kwargs = prepared.steps[0]
+    fields = request_fields(prepared.case.op, args, kwargs)
+    return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
+
+
+def expected_failure_for(backend: Backend, case_id: str) -> str | None:
+    """The reason of the first ``expected_failures`` pattern (fnmatch) matching ``case_id``."""
+    for pattern, reason in backend.expected_failures.items():
+        if fnmatch.fnmatchcase(case_id, pattern):
+            return reason
+    return None
+
+
+def unmatched_expected_failures(backend: Backend, cases: Sequence[Case]) -> list[str]:
+    """Patterns of ``backend.expected_failures`` that match no case (stale entries)."""
+    return [p for p in backend.expected_failures if not any(fnmatch.fnmatchcase(c.id, p) for c in cases)]
+
+
+def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                    *, lse_required: bool = True) -> dict[str, dict[str, Any]]:
+    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances."""
+    from dsv4.codecs import get_codec
+
+    op = prepared.case.op
+    metrics: dict[str, dict[str, Any]] = {}
+    for name in (*prepared.returns, *prepared.caches):
+        tol = tolerance_for(op, name, prepared.case.profile)
+        if name == "lse" and not lse_required:
+            metrics[name] = {"passed": None, "reason": "not compared: the profile or backend returns no LSE"}
+            continue
+        if name not in actual:
+            metrics[name] = {"passed": False, "reason": "output missing"}
+            continue
+        if tol.kind == "topk":
+            args, _ = prepared.steps[0]
+            check = prepared.check
+            codec = get_codec(check["key_format"])
+            scores = topk_scores(args[0], args[1], args[2], args[3], args[4], args[5], codec, check["ratio"],
+                                 check["block_size"])
+            m = check_topk(actual[name], scores, args[2].cpu(), check["topk"], check["ratio"], tol)
+        elif tol.kind == "cache":
+            fmt = prepared.caches[name][1]
+            m = compare_cache(actual[name], expected[name], get_codec(fmt) if fmt else None, tol)
+        else:
+            m = compare_tensor(actual[name], expected[name], tol)
+        m["tolerance"] = tol.as_dict()
+        metrics[name] = m
+    return metrics
+
+
+def _lse_required(backend: Backend, case: Case) -> bool:
+    from dsv4.specs.numerics import get_profile
+
+    if case.op != "sparse_attention":
+        return True
+    return backend.capabilities.returns_lse and get_profile(case.profile).returns_lse
+
+
+def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
+    return "failed" if any(m.get("passed") is False for m in metrics.values()) else "passed"
+
+
+def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenStore | None,
+             expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] | None = None) -> ResultRow:
+    """Run one case on one backend and compare it."""
+    row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
+                    expected_failure=expected_failure_for(backend, case.id))
+    start = time.perf_counter()
+    try:
+        prepared = prepare(case)  # CPU inputs: the goldens' input hash is taken here
+        reasons = backend.not_supported_reasons(_request(device, prepared))
+        if reasons:
+            row.outcome, row.reasons = "unsupported", list(reasons)
+            return row
+        if expected_cache is not None and case.id in expected_cache:
+            expected, source = expected_cache[case.id]
+        else:
+            expected, why = golden.lookup(case, prepared) if golden is not None else (None, "no stored goldens")
+            source = "stored golden"
+            if expected is None:
+                expected, source = expected_outputs(prepared), f"reference (live): {why}"
+            if expected_cache is not None:
+                expected_cache[case.id] = (expected, source)
+        row.expected_source = source
+        run = clone_prepared(prepared)
+        if device.type != "cpu":
+            from dsv4.conformance.cases import prepare_to
+
+            run = prepare_to(run, device)
+        actual = execute(run, getattr(backend, case.op))
+        row.metrics = compare_outputs(run, actual, expected, lse_required=_lse_required(backend, case))
+        row.outcome = _outcome(row.metrics)
+    except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
+        row.outcome = "error"
+        row.reasons = [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
+    finally:
+        row.seconds = time.perf_counter() - start
+    return row
+
+
+def backend_statuses(registry: Registry) -> dict[str, dict[str, Any]]:
+    """Every registered backend (and every plugin that failed to load) with status and reasons."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in registry.backend_names():
+        backend = registry.get(name)
+        reasons = registry.probe(name)
+        out[name] = {"status": "unavailable" if reasons else "available", "reasons": reasons,
+                     "package_versions": backend.package_versions(), "plugin": registry.origin(name),
+                     "capabilities": backend.capabilities.as_dict()}
+    for status in registry.plugin_statuses():
+        if status.state != "loaded" and status.name not in out:
+            out[status.name] = {"status": "failed" if status.state == "failed" else "blocked",
+                                "reasons": [status.error or status.state], "package_versions": {},
+                                "plugin": status.name, "capabilities": None}
+    return out
+
+
+def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | None = None,
+              device: str | torch.device = "cpu", registry: Registry | None = None,
+              golden: GoldenStore | None = None, progress: Progress | None = None) -> SuiteResult:
+    """Run ``cases`` (default suite) on ``backends`` (default: every available one)."""
+    registry = registry or get_registry()
+    device = torch.device(device)
+    cases = list(default_cases() if cases is None else cases)
+    golden = GoldenStore() if golden is None else golden
+    statuses = backend_statuses(registry)
+    names = list(backends) if backends else registry.available_backends()
+    rows: list[ResultRow] = []
+    expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] = {}
+    for name in names:
+        backend = registry.get(name)
+        for pattern in unmatched_expected_failures(backend, default_cases()):
+            warnings.warn(f"backend {name}: expected failure {pattern!r} matches no conformance case", stacklevel=2)
+        probe = registry.probe(name)
+        for case in cases:
+            if probe:
+                row = ResultRow(backend=name, op=case.op, case=case.id, outcome="skipped", reasons=list(probe),
+                                params=case.as_dict())
+            else:
+                row = run_case(backend, case, device, golden, expected_cache)
+            rows.append(row)
+            if progress is not None:
+                progress(name, case.id, row.outcome)
+    return SuiteResult(rows=rows, backends=statuses, device=str(device))
+
+
+def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | None = None, seed: int | None = None,
+                     device: str | torch.device = "cpu", registry: Registry | None = None,
+                     progress: Progress | None = None) -> SuiteResult:
+    """Backend B against backend A on fresh random inputs (``seed`` or random), same tolerances."""
+    registry = registry or get_registry()
+    device = torch.device(device)
+    a, b = registry.get(backend_a), registry.get(backend_b)
+    cases = list(default_cases() if cases is None else cases)
+    base = int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else seed
+    label = f"{backend_b} vs {backend_a}"
+    rows = []
+    for case in cases:
+        case_seed = (base + case.seed) % (2**31 - 1)
+        params = {**case.as_dict(), "seed": case_seed}
+        row = ResultRow(backend=label, op=case.op, case=case.id, outcome="passed", params=params,
+                        expected_source=f"{backend_a} on seed {case_seed}")
+        start = time.perf_counter()
+        try:
+            prepared = prepare(case, seed=case_seed)
+            request = _request(device, prepared)
+            reasons = [f"{x.name}: {r}" for x in (a, b) for r in registry.reasons(request, x.name)]
+            if reasons:
+                row.outcome, row.reasons = "unsupported", reasons
+            else:
+                from dsv4.conformance.cases import prepare_to
+
+                run_a = prepare_to(clone_prepared(prepared), device)
+                run_b = prepare_to(clone_prepared(prepared), device)
+                out_a = execute(run_a, getattr(a, case.op))
+                out_b = execute(run_b, getattr(b, case.op))
+                lse = _lse_required(a, case) and _lse_required(b, case)
+                row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
+                if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule
+                    row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
+                row.outcome = _outcome(row.metrics)
+        except Exception as exc:  # noqa: BLE001
+            row.outcome, row.reasons = "error", [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
+        row.seconds = time.perf_counter() - start
+        rows.append(row)
+        if progress is not None:
+            progress(label, case.id, row.outcome)
+    return SuiteResult(rows=rows, backends=backend_statuses(registry), device=str(device))

@@ -1,0 +1,97 @@
+"""Tolerances of the conformance suite (SPEC §13). Owned here, once; a backend cannot loosen them.
+
+Every output of every op has one :class:`Tolerance`, looked up by ``(op, output)``. An element
+passes when ``|a - e| <= abs_tol`` OR ``|a - e| <= rel_tol * |e|`` (FlashMLA's rule); an output
+passes when the fraction of passing elements is at least ``min_pass_fraction``, the cosine
+difference ``1 - 2 sum(a e) / (sum a^2 + sum e^2)`` is at most ``cos_diff``, and NaN/Inf
+positions agree. Caches (``kind == "cache"``) must be byte-exact, or, where bytes differ, every
+dequantized element within one e4m3 ULP of the reference (SPEC §13). Top-k outputs use the
+tie-aware set rule (``kind == "topk"``, ``score_slack`` of the row's score range).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "Tolerance", "tolerance_for"]
+
+# SPEC §13: "within one e4m3 ULP": e4m3 has 3 mantissa bits, so one ULP is 2^(floor(log2|x|) - 3).
+E4M3_MANTISSA_BITS = 3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How one output is compared. ``source`` says where the numbers come from."""
+
+    kind: Literal["tensor", "cache", "topk"] = "tensor"
+    abs_tol: float = 0.0
+    rel_tol: float = 0.0
+    cos_diff: float | None = None
+    min_pass_fraction: float = 1.0
+    score_slack: float = 0.0
+    source: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_BF16_ULPS_2 = 2 / 128  # two bf16 ULPs relative (SPEC §13, FlashMLA's rel_tol for bf16 outputs)
+
+TOLERANCES: dict[tuple[str, str], Tolerance] = {
+    # SPEC §13 sparse attention: against the float64 reference on the same dequantized caches.
+    ("sparse_attention", "out"): Tolerance(abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6,
+                                           source="SPEC §13 sparse attention out"),
+    ("sparse_attention", "lse"): Tolerance(abs_tol=1e-6, rel_tol=8 / 65536, source="SPEC §13 sparse attention lse"),
+    # SPEC §13 cache bytes: byte-exact, or within one e4m3 ULP dequantized.
+    ("qnorm_rope_insert", "swa_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
+    ("compress_insert", "out_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
+    # Compressor state is fp32 `kv | score + ape` (SPEC §5.1): one fp32 add, so exact up to 1 ULP.
+    ("compress_insert", "state_cache"): Tolerance(abs_tol=1e-6, rel_tol=2.0 ** -22,
+                                                  source="suite: SPEC §5.1 one fp32 add"),
+    # SPEC §13 indexer: tie-aware set rule with 1e-3 of the row's score range.
+    ("indexer_topk", "topk"): Tolerance(kind="topk", score_slack=1e-3, source="SPEC §13 indexer"),
+    # The rest are not in SPEC §13: bf16 outputs of the same serving numerics agree to two bf16
+    # ULPs; quantized indexer q may flip a code where a value sits on a rounding boundary.
+    ("qnorm_rope_insert", "q_out"): Tolerance(abs_tol=1e-2, rel_tol=_BF16_ULPS_2, cos_diff=1e-5,
+                                              source="suite: bf16, two ULPs"),
+    ("indexer_q", "q"): Tolerance(abs_tol=1e-2, rel_tol=_BF16_ULPS_2, cos_diff=1e-3, min_pass_fraction=0.995,
+                                  source="suite: quantized bf16, boundary flips allowed on 0.5%"),
+    ("indexer_q", "w"): Tolerance(abs_tol=1e-6, rel_tol=1e-5, source="suite: fp32 scale product"),
+    ("output_projection", "out"): Tolerance(abs_tol=1e-2, rel_tol=_BF16_ULPS_2, cos_diff=1e-4,
+                                            source="suite: bf16 GEMMs, two ULPs"),
+}
+
+
+# Per-profile exceptions, each with its reason. SPEC §6.6 `deepseek` rounds attention
+# probabilities to bf16 before P@V (relative error 2^-9 per probability): against the float64
+# ideal that leaves about 0.1% of elements near zero outside abs 1e-3 (measured up to 5e-3 with
+# unit-variance values) while the cosine bound holds with margin (2e-6 < 5e-6). The cosine and
+# element bounds stay SPEC §13's; only the required pass fraction drops to 99.5%.
+PROFILE_TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
+    ("sparse_attention", "out", "deepseek"): Tolerance(
+        abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6, min_pass_fraction=0.995,
+        source="SPEC §13 sparse attention out; deepseek profile: bf16 probabilities (SPEC §6.6), 99.5% of elements"),
+}
+
+
+def tolerance_for(op: str, output: str, profile: str | None = None) -> Tolerance:
+    """The suite's tolerance of ``output`` of ``op`` under ``profile`` (KeyError for an unknown output)."""
+    return PROFILE_TOLERANCES.get((op, output, profile or ""), TOLERANCES[(op, output)])
+
+
+@dataclass(frozen=True)
+class LayerGoldenRule:
+    """SPEC §14 pass rule of a layer golden, on row cosine similarity (one row = one token's output).
+
+    SWA-only and HCA layers: every row >= ``row_cosine``. CSA layers (indexer ties may pick other
+    entries): >= ``csa_fraction`` of rows >= ``row_cosine``, mean >= ``csa_mean``, every row >= ``csa_min``.
+    """
+
+    row_cosine: float = 0.999
+    csa_fraction: float = 0.9
+    csa_mean: float = 0.999
+    csa_min: float = 0.9
+
+
+LAYER_GOLDEN = LayerGoldenRule()
+__all__ += ["LAYER_GOLDEN", "LayerGoldenRule"]

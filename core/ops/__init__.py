@@ -1,0 +1,209 @@
+"""``dsv4.ops``: the six ops of ARCHITECTURE.md §3, dispatched to a backend.
+
+Each function validates its arguments (dtypes, ranks, row counts; no device sync), then calls
+the ``torch.ops.dsv4.<op>`` custom op, which selects a backend through :mod:`dsv4.registry`
+(explicit ``backend``, then ``DSV4_BACKEND``, then the platform priority list) and runs it.
+``backend`` may be ``"auto"``, a registered name, or a :class:`~dsv4.backend.Backend` instance
+(an unregistered instance is called directly, outside the custom op).
+"""
+from __future__ import annotations
+
+import torch
+from dsv4.backend import OP_NAMES, Backend
+from dsv4.ops import library
+from dsv4.ops.dispatch import backend_name
+from dsv4.ops.validate import FLOATS, check_dtype, check_rank, check_rows
+from dsv4.registry import get_registry
+from dsv4.specs.errors import DSV4ValueError
+
+__all__ = [
+    "OP_NAMES",
+    "compress_insert",
+    "indexer_q",
+    "indexer_topk",
+    "output_projection",
+    "qnorm_rope_insert",
+    "sparse_attention",
+]
+
+BackendArg = str | Backend | None
+I32, I64 = torch.int32, torch.int64
+
+
+def _call(op: str, backend: BackendArg, args: tuple, kwargs: dict):
+    if isinstance(backend, Backend):
+        registry = get_registry()
+        if backend.name not in registry.backend_names() or registry.get(backend.name) is not backend:
+            return library.run_backend(op, backend, args, kwargs)
+    return getattr(torch.ops.dsv4, op)(*args, **kwargs, backend=backend_name(backend))
+
+
+def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      swa_cache: torch.Tensor, swa_slot_mapping: torch.Tensor, *, kv_format: str, eps: float,
+                      profile: str = "deepseek", backend: BackendArg = "auto") -> torch.Tensor:
+    """SPEC §3 steps 2-3. q [T,H,512] bf16, kv [T,512] bf16, positions [T] int64, cos_sin [P,64] fp32,
+    swa_slot_mapping [T] int64 -> q_out [T,H,512] q.dtype; writes roped kv into ``swa_cache``."""
+    check_rank("q", q, 3)
+    check_dtype("q", q, *FLOATS)
+    num_tokens = q.shape[0]
+    check_rank("kv", kv, 2)
+    check_rows("kv", kv, num_tokens)
+    if kv.shape[1] != q.shape[2]:
+        raise DSV4ValueError.of("kv", f"shape [{num_tokens}, {q.shape[2]}]", f"shape {tuple(kv.shape)}")
+    _positions(positions, num_tokens)
+    _cos_sin(cos_sin)
+    _slots("swa_slot_mapping", swa_slot_mapping, num_tokens)
+    return _call("qnorm_rope_insert", backend, (q, kv, positions, cos_sin, swa_cache, swa_slot_mapping),
+                 {"kv_format": kv_format, "eps": float(eps), "profile": profile})
+
+
+def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                    state_cache: torch.Tensor, state_block_table: torch.Tensor, state_slot_mapping: torch.Tensor,
+                    ape: torch.Tensor, norm_weight: torch.Tensor, cos_sin: torch.Tensor, out_cache: torch.Tensor,
+                    out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, out_format: str, profile: str,
+                    eps: float, backend: BackendArg = "auto") -> None:
+    """SPEC §5. kv_score [T, 2*coff*d] fp32, state_cache fp32 [nb, bs, 2*coff*d], state_block_table
+    [R, mb] int32, slot mappings [T] int64, ape [r, coff*d] fp32, norm_weight [d] fp32."""
+    if ratio not in (4, 128):
+        raise DSV4ValueError.of("ratio", "4 (CSA) or 128 (HCA)", ratio)
+    width = 2 * (2 if ratio == 4 else 1) * head_dim  # SPEC §9.4: [kv (coff*d) | score (coff*d)]
+    check_rank("kv_score", kv_score, 2)
+    check_dtype("kv_score", kv_score, torch.float32, torch.float64)
+    num_tokens = kv_score.shape[0]
+    if kv_score.shape[1] != width:
+        raise DSV4ValueError.of("kv_score", f"shape [{num_tokens}, {width}]", f"shape {tuple(kv_score.shape)}")
+    _positions(positions, num_tokens)
+    _request_ids(token_request, num_tokens)
+    check_dtype("state_cache", state_cache, torch.float32)  # SPEC §12: compressor state must be fp32
+    if state_cache.shape[-1] != width:
+        raise DSV4ValueError.of("state_cache", f"rows of {width} fp32", f"shape {tuple(state_cache.shape)}")
+    check_rank("state_block_table", state_block_table, 2)
+    check_dtype("state_block_table", state_block_table, I32)
+    _slots("state_slot_mapping", state_slot_mapping, num_tokens)
+    _slots("out_slot_mapping", out_slot_mapping, num_tokens)
+    if tuple(ape.shape) != (ratio, width // 2):
+        raise DSV4ValueError.of("ape", f"shape ({ratio}, {width // 2})", f"shape {tuple(ape.shape)}")
+    if tuple(norm_weight.shape) != (head_dim,):
+        raise DSV4ValueError.of("norm_weight", f"shape ({head_dim},)", f"shape {tuple(norm_weight.shape)}")
+    _cos_sin(cos_sin)
+    _call("compress_insert", backend,
+          (kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape, norm_weight,
+           cos_sin, out_cache, out_slot_mapping),
+          {"ratio": int(ratio), "head_dim": int(head_dim), "out_format": out_format, "profile": profile,
+           "eps": float(eps)})
+
+
+def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,
+              profile: str, backend: BackendArg = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §6.1-6.2. index_q [T,64,128] bf16, weights [T,64] -> (q [T,64,128] bf16, w [T,64] fp32)."""
+    check_rank("index_q", index_q, 3)
+    check_dtype("index_q", index_q, *FLOATS)
+    num_tokens = index_q.shape[0]
+    check_rank("weights", weights, 2)
+    if tuple(weights.shape) != tuple(index_q.shape[:2]):
+        raise DSV4ValueError.of("weights", f"shape {tuple(index_q.shape[:2])}", f"shape {tuple(weights.shape)}")
+    _positions(positions, num_tokens)
+    _cos_sin(cos_sin)
+    return _call("indexer_q", backend, (index_q, weights, positions, cos_sin), {"profile": profile})
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
+                 key_cache: torch.Tensor, key_block_table: torch.Tensor, *, topk: int, key_format: str,
+                 ratio: int = 4, backend: BackendArg = "auto") -> torch.Tensor:
+    """SPEC §6.3. q [T,64,128] bf16, w [T,64] fp32, key_block_table [R,mb] int32 -> [T, topk] int32
+    request-local compressed indices, valid entries first, -1 padded."""
+    check_rank("q", q, 3)
+    check_dtype("q", q, *FLOATS)
+    num_tokens = q.shape[0]
+    check_rank("w", w, 2)
+    check_rows("w", w, num_tokens)
+    _positions(positions, num_tokens)
+    _request_ids(token_request, num_tokens)
+    check_rank("key_block_table", key_block_table, 2)
+    check_dtype("key_block_table", key_block_table, I32)
+    if int(topk) <= 0:
+        raise DSV4ValueError.of("topk", "a positive width", topk)
+    return _call("indexer_topk", backend, (q, w, positions, token_request, key_cache, key_block_table),
+                 {"topk": int(topk), "key_format": key_format, "ratio": int(ratio)})
+
+
+def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor, swa_lens: torch.Tensor,
+                     extra_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
+                     extra_lens: torch.Tensor | None, sink: torch.Tensor, *, kv_format: str, softmax_scale: float,
+                     profile: str, backend: BackendArg = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §7. q [T,H,512], swa_indices [T,W] int32 global slots, swa_lens [T] int32, optional extra
+    cache / indices [T,K] int32 / lens [T] int32, sink [H] fp32 -> (out [T,H,512] q.dtype, lse [T,H] fp32)."""
+    check_rank("q", q, 3)
+    check_dtype("q", q, *FLOATS)
+    num_tokens, heads = q.shape[0], q.shape[1]
+    _indices("swa_indices", swa_indices, swa_lens, "swa_lens", num_tokens)
+    given = [x is not None for x in (extra_cache, extra_indices, extra_lens)]
+    if any(given) and not all(given):
+        raise DSV4ValueError.of("extra_cache, extra_indices, extra_lens", "all three or none",
+                                f"{sum(given)} of 3 given")
+    if extra_indices is not None:
+        _indices("extra_indices", extra_indices, extra_lens, "extra_lens", num_tokens)
+    if sink is None:  # SPEC §12: a missing sink is an error, never silently dropped
+        raise DSV4ValueError.of("sink", f"a [{heads}] fp32 tensor", None)
+    check_dtype("sink", sink, torch.float32, torch.float64)
+    if tuple(sink.shape) != (heads,):
+        raise DSV4ValueError.of("sink", f"shape ({heads},)", f"shape {tuple(sink.shape)}")
+    return _call("sparse_attention", backend,
+                 (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
+                 {"kv_format": kv_format, "softmax_scale": float(softmax_scale), "profile": profile})
+
+
+def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, wo_a: torch.Tensor,
+                      wo_b: torch.Tensor, *, fp8_activations: bool, backend: BackendArg = "auto") -> torch.Tensor:
+    """SPEC §3 steps 6-7, §8. o [T,H,512] bf16, wo_a [G*o_lora, (H/G)*512], wo_b [hidden, G*o_lora]
+    -> [T, hidden] o.dtype."""
+    check_rank("o", o, 3)
+    check_dtype("o", o, *FLOATS)
+    _positions(positions, o.shape[0])
+    _cos_sin(cos_sin)
+    check_rank("wo_a", wo_a, 2)
+    check_rank("wo_b", wo_b, 2)
+    width = o.shape[1] * o.shape[2]
+    if wo_a.shape[1] == 0 or width % wo_a.shape[1] != 0:
+        raise DSV4ValueError.of("wo_a", f"[G*o_lora, (H/G)*{o.shape[2]}] with G dividing H={o.shape[1]}",
+                                f"shape {tuple(wo_a.shape)}")
+    groups = width // wo_a.shape[1]
+    if wo_a.shape[0] % groups != 0 or wo_b.shape[1] != wo_a.shape[0]:
+        raise DSV4ValueError.of("wo_b", f"shape [hidden, {wo_a.shape[0]}]", f"shape {tuple(wo_b.shape)}")
+    return _call("output_projection", backend, (o, positions, cos_sin, wo_a, wo_b),
+                 {"fp8_activations": bool(fp8_activations)})
+
+
+# -- shared argument checks ------------------------------------------------------------------------
+def _positions(positions: torch.Tensor, num_tokens: int) -> None:
+    check_dtype("positions", positions, I64)  # SPEC §12: positions not int64 is an error
+    check_rank("positions", positions, 1)
+    check_rows("positions", positions, num_tokens)
+
+
+def _request_ids(token_request: torch.Tensor, num_tokens: int) -> None:
+    check_dtype("token_request", token_request, I32)
+    check_rank("token_request", token_request, 1)
+    check_rows("token_request", token_request, num_tokens)
+
+
+def _slots(name: str, slots: torch.Tensor, num_tokens: int) -> None:
+    check_dtype(name, slots, I64)
+    check_rank(name, slots, 1)
+    check_rows(name, slots, num_tokens)
+
+
+def _cos_sin(cos_sin: torch.Tensor) -> None:
+    check_dtype("cos_sin", cos_sin, torch.float32, torch.float64)
+    check_rank("cos_sin", cos_sin, 2)
+
+
+def _indices(name: str, indices: torch.Tensor, lens: torch.Tensor | None, lens_name: str, num_tokens: int) -> None:
+    check_dtype(name, indices, I32)
+    check_rank(name, indices, 2)
+    check_rows(name, indices, num_tokens)
+    if lens is None:
+        raise DSV4ValueError.of(lens_name, f"a [{num_tokens}] int32 tensor", None)
+    check_dtype(lens_name, lens, I32)
+    check_rank(lens_name, lens, 1)
+    check_rows(lens_name, lens, num_tokens)

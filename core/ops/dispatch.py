@@ -1,0 +1,57 @@
+"""Per-call backend selection for the ops: build the :class:`~dsv4.backend.OpRequest`, ask the registry.
+
+Selection results are cached by the registry (``OpRequest`` is hashable); the device arch is
+looked up once per device here, so the hot path does no driver queries.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+from dsv4.backend import Backend, OpRequest, device_arch
+from dsv4.registry import get_registry
+
+__all__ = ["arch_of", "backend_name", "record_selections", "resolve"]
+
+_recorded: dict[str, set[str]] | None = None
+
+
+@contextmanager
+def record_selections() -> Iterator[dict[str, set[str]]]:
+    """Collect ``{op: {backend names}}`` of every call dispatched inside the block (reports use it)."""
+    global _recorded
+    previous, _recorded = _recorded, {}
+    try:
+        yield _recorded
+    finally:
+        _recorded = previous
+
+
+@cache
+def _arch(device_type: str, index: int | None) -> str | None:
+    return device_arch(torch.device(device_type, index) if index is not None else torch.device(device_type))
+
+
+def arch_of(device: torch.device) -> str | None:
+    """Cached arch name of ``device`` (``sm_90``, ``gfx950``, None on CPU)."""
+    return _arch(device.type, device.index)
+
+
+def resolve(op: str, device: torch.device, backend: str | Backend | None, **fields: object) -> Backend:
+    """The backend that runs ``op`` on ``device`` with the request ``fields`` (see ``OpRequest``)."""
+    request = OpRequest(op=op, device_type=device.type, arch=arch_of(device), **fields)  # type: ignore[arg-type]
+    impl = get_registry().select(request, backend)
+    if _recorded is not None:
+        _recorded.setdefault(op, set()).add(impl.name)
+    return impl
+
+
+def backend_name(backend: str | Backend | None) -> str:
+    """The string the custom ops carry: ``"auto"`` or a registered backend's name."""
+    if backend is None:
+        return "auto"
+    if isinstance(backend, Backend):
+        return backend.name
+    return backend

@@ -1,0 +1,332 @@
+"""Backend registry on pluggy: guarded per-plugin loading and per-op selection.
+
+Loading (``Registry.load_entry_points``): every entry point of the ``dsv4.backends`` group is
+loaded separately; its status (``loaded`` with the backends it registered, ``failed`` with the
+exception, ``blocked`` by ``DSV4_PLUGINS``) is recorded, so one broken plugin never takes the
+host down (pluggy's own ``load_setuptools_entrypoints`` is unguarded; we do not use it).
+
+Environment:
+    DSV4_STRICT_PLUGINS=1   a plugin that fails to load raises :class:`PluginLoadError` (CI).
+    DSV4_PLUGINS=a,b        load only these entry points (the others are ``blocked``).
+    DSV4_BACKEND=name       force a backend for every op (an unfit forced backend is an error,
+                            never a silent fallback).
+    DSV4_TRACE_PLUGINS=1    print every plugin's status to stderr when the registry loads.
+
+Selection (``Registry.select``), per op request: the explicit ``backend`` argument, then
+``DSV4_BACKEND``, then the platform's priority list (:data:`PLATFORM_PRIORITIES`, followed by
+any other registered backend in name order). When nothing fits, one ``NoBackendError`` lists
+every candidate with its reasons.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Literal
+
+import pluggy
+from dsv4 import hookspecs
+from dsv4.backend import Backend, OpRequest
+from dsv4.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME
+from dsv4.specs.errors import BackendUnavailableError, NoBackendError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLATFORM_PRIORITIES",
+    "PluginLoadError",
+    "PluginStatus",
+    "Registry",
+    "get_backend",
+    "get_registry",
+    "reset_registry",
+    "select",
+]
+
+# Platform -> backend names, best first (SPEC §11). On CPU the reference is the fast path: the
+# Triton backend runs there only under the interpreter.
+PLATFORM_PRIORITIES: dict[str, tuple[str, ...]] = {
+    "cuda": ("flashmla", "flashinfer-sm100", "flashinfer-sm120", "triton", "reference"),
+    "rocm": ("aiter", "triton", "reference"),
+    "xpu": ("xpu", "triton", "reference"),
+    "npu": ("ascend-dsa", "reference"),
+    "cpu": ("reference", "triton"),
+}
+
+PluginState = Literal["loaded", "failed", "blocked"]
+
+
+class PluginLoadError(BackendUnavailableError):
+    """A plugin failed to load while ``DSV4_STRICT_PLUGINS=1``."""
+
+
+@dataclass
+class PluginStatus:
+    """What happened to one entry point (or directly loaded plugin)."""
+
+    name: str
+    value: str = ""
+    distribution: str | None = None
+    version: str | None = None
+    state: PluginState = "loaded"
+    error: str | None = None
+    traceback: str | None = None
+    backends: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "distribution": self.distribution,
+                "version": self.version, "state": self.state, "error": self.error,
+                "backends": list(self.backends)}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    # De-duplicate by name: a stale egg-info next to the editable install lists the same points twice.
+    seen: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=group):
+        seen.setdefault(ep.name, ep)
+    return [seen[name] for name in sorted(seen)]
+
+
+class Registry:
+    """Holds registered backends, plugin statuses, probe results and cached selections."""
+
+    def __init__(self) -> None:
+        self.plugin_manager = pluggy.PluginManager(PROJECT_NAME)
+        self.plugin_manager.add_hookspecs(hookspecs)
+        self._backends: dict[str, Backend] = {}
+        self._origin: dict[str, str] = {}
+        self._statuses: dict[str, PluginStatus] = {}
+        self._probes: dict[str, list[str]] = {}
+        self._selections: dict[tuple[Any, ...], Backend] = {}
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP, *, strict: bool | None = None) -> list[PluginStatus]:
+        """Load every entry point of ``group`` separately; return their statuses."""
+        strict = _env_flag("DSV4_STRICT_PLUGINS") if strict is None else strict
+        allow = [n.strip() for n in os.environ.get("DSV4_PLUGINS", "").split(",") if n.strip()]
+        points = _entry_points(group)
+        unknown = sorted(set(allow) - {ep.name for ep in points})
+        if unknown:
+            warnings.warn(f"DSV4_PLUGINS names entry points that do not exist: {', '.join(unknown)}",
+                          stacklevel=2)
+        statuses = []
+        for ep in points:
+            dist = getattr(ep, "dist", None)
+            status = PluginStatus(name=ep.name, value=ep.value,
+                                  distribution=dist.metadata["Name"] if dist is not None else None,
+                                  version=dist.version if dist is not None else None)
+            if allow and ep.name not in allow:
+                status.state, status.error = "blocked", "not listed in DSV4_PLUGINS"
+                self._statuses[ep.name] = status
+            else:
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # noqa: BLE001 - any import error is recorded, not raised
+                    self._fail(status, exc, strict)
+                else:
+                    self._register_plugin(plugin, status, strict)
+            statuses.append(status)
+        return statuses
+
+    def load_plugin(self, plugin: object, name: str, *, strict: bool | None = None) -> PluginStatus:
+        """Register an already imported plugin (module or object with a ``dsv4_register_backends`` hookimpl)."""
+        strict = _env_flag("DSV4_STRICT_PLUGINS") if strict is None else strict
+        status = PluginStatus(name=name, value=getattr(plugin, "__name__", type(plugin).__name__))
+        self._register_plugin(plugin, status, strict)
+        return status
+
+    def _fail(self, status: PluginStatus, exc: BaseException, strict: bool) -> None:
+        status.state = "failed"
+        status.error = f"{type(exc).__name__}: {exc}"
+        status.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._statuses[status.name] = status
+        if strict:
+            raise PluginLoadError(f"plugin {status.name} ({status.value}) failed to load: {status.error}",
+                                  argument="plugin", expected="a loadable plugin", received=status.name) from exc
+
+    def _register_plugin(self, plugin: object, status: PluginStatus, strict: bool) -> None:
+        added: list[str] = []
+
+        def register(backend: Backend) -> None:
+            self._add(backend, origin=status.name)
+            added.append(backend.name)
+
+        try:
+            self.plugin_manager.register(plugin, name=status.name)
+            others = [p for p in self.plugin_manager.get_plugins() if p is not plugin]
+            caller = self.plugin_manager.subset_hook_caller("dsv4_register_backends", remove_plugins=others)
+            caller(register=register)
+        except Exception as exc:  # noqa: BLE001 - roll back a partial registration, record it
+            for name in added:
+                self._remove(name)
+            if self.plugin_manager.is_registered(plugin):
+                self.plugin_manager.unregister(plugin)
+            self._fail(status, exc, strict)
+            return
+        status.state, status.backends = "loaded", added
+        self._statuses[status.name] = status
+
+    def register_backend(self, backend: Backend, *, origin: str = "<direct>") -> None:
+        """Add one backend without a plugin (tests, embedding engines)."""
+        self._add(backend, origin=origin)
+
+    def _add(self, backend: Backend, *, origin: str) -> None:
+        if isinstance(backend, type) or not isinstance(backend, Backend):
+            raise BackendUnavailableError.of("register(backend)", "a dsv4.backend.Backend instance",
+                                             repr(backend))
+        if not backend.name:
+            raise BackendUnavailableError.of("backend.name", "a non-empty name", repr(backend.name))
+        if backend.name in self._backends:
+            raise BackendUnavailableError.of(
+                "backend.name", "a name not registered yet", backend.name,
+                hint=f"already registered by plugin {self._origin[backend.name]}")
+        self._backends[backend.name] = backend
+        self._origin[backend.name] = origin
+        self._selections.clear()
+
+    def _remove(self, name: str) -> None:
+        self._backends.pop(name, None)
+        self._origin.pop(name, None)
+        self._probes.pop(name, None)
+        self._selections.clear()
+
+    def unregister_backend(self, name: str) -> None:
+        """Remove a backend (tests)."""
+        self._remove(name)
+
+    # -- queries --------------------------------------------------------------------------------
+    def plugin_statuses(self) -> list[PluginStatus]:
+        return [self._statuses[name] for name in sorted(self._statuses)]
+
+    def backend_names(self) -> list[str]:
+        return sorted(self._backends)
+
+    def origin(self, name: str) -> str:
+        return self._origin[name]
+
+    def get(self, name: str) -> Backend:
+        """The backend called ``name``; ``NoBackendError`` names every registered one otherwise."""
+        try:
+            return self._backends[name]
+        except KeyError:
+            failed = [s.name for s in self._statuses.values() if s.state == "failed"]
+            hint = f"plugins that failed to load: {', '.join(failed)}" if failed else ""
+            raise NoBackendError.of("backend", f"one of {', '.join(self.backend_names()) or '(none)'}",
+                                    name, hint=hint) from None
+
+    def probe(self, name: str) -> list[str]:
+        """Cached ``probe()`` of one backend; a probe that raises becomes a reason."""
+        if name not in self._probes:
+            backend = self.get(name)
+            try:
+                reasons = list(backend.probe())
+            except Exception as exc:  # noqa: BLE001 - a broken probe means "unavailable, because ..."
+                reasons = [f"probe raised {type(exc).__name__}: {exc}"]
+            self._probes[name] = reasons
+        return self._probes[name]
+
+    def is_available(self, name: str) -> bool:
+        return not self.probe(name)
+
+    def available_backends(self) -> list[str]:
+        return [name for name in self.backend_names() if self.is_available(name)]
+
+    def reasons(self, request: OpRequest, name: str) -> list[str]:
+        """Why backend ``name`` cannot run ``request`` here (probe reasons first); empty: it can."""
+        reasons = list(self.probe(name))
+        if reasons:
+            return reasons
+        try:
+            return list(self.get(name).not_supported_reasons(request))
+        except Exception as exc:  # noqa: BLE001
+            return [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
+
+    def priority(self, platform: str) -> list[str]:
+        """Backend names in selection order for ``platform``: its list, then the rest by name."""
+        listed = [n for n in PLATFORM_PRIORITIES.get(platform, ("reference",)) if n in self._backends]
+        return listed + [n for n in self.backend_names() if n not in listed]
+
+    def candidates(self, request: OpRequest) -> list[tuple[str, list[str]]]:
+        """Every registered backend in priority order with its reasons for ``request``."""
+        return [(name, self.reasons(request, name)) for name in self.priority(request.platform)]
+
+    # -- selection ------------------------------------------------------------------------------
+    def select(self, request: OpRequest, backend: str | Backend | None = None) -> Backend:
+        """Pick the backend for ``request``: explicit argument, then ``DSV4_BACKEND``, then priority."""
+        if isinstance(backend, Backend):
+            return self._forced(request, backend, "argument backend")
+        explicit = None if backend in (None, "", "auto") else backend
+        env = os.environ.get("DSV4_BACKEND", "").strip() or None
+        key = (request, explicit, env)
+        cached = self._selections.get(key)
+        if cached is not None:
+            return cached
+        if explicit is not None:
+            chosen = self._forced(request, self.get(explicit), "argument backend")
+        elif env is not None and env != "auto":
+            chosen = self._forced(request, self.get(env), "DSV4_BACKEND")
+        else:
+            chosen = self._first_fit(request)
+        self._selections[key] = chosen
+        return chosen
+
+    def _forced(self, request: OpRequest, backend: Backend, source: str) -> Backend:
+        reasons = self.reasons(request, backend.name) if backend.name in self._backends \
+            else list(backend.probe()) or list(backend.not_supported_reasons(request))
+        if reasons:
+            raise NoBackendError(
+                f"{source}: backend {backend.name} cannot run {request.describe()}: " + "; ".join(reasons),
+                argument=source, expected="a backend that supports the request", received=backend.name)
+        return backend
+
+    def _first_fit(self, request: OpRequest) -> Backend:
+        candidates = self.candidates(request)
+        for name, reasons in candidates:
+            if not reasons:
+                return self._backends[name]
+        lines = [f"  {name}: {'; '.join(reasons)}" for name, reasons in candidates]
+        failed = [s for s in self.plugin_statuses() if s.state == "failed"]
+        lines += [f"  plugin {s.name} failed to load: {s.error}" for s in failed]
+        raise NoBackendError(
+            f"no backend can run {request.describe()} on platform {request.platform}; candidates:\n"
+            + ("\n".join(lines) if lines else "  (no backend registered)"),
+            argument="backend", expected="a backend that supports the request", received="auto")
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loading the ``dsv4.backends`` entry points on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        registry = Registry()
+        registry.load_entry_points()
+        _REGISTRY = registry
+        if _env_flag("DSV4_TRACE_PLUGINS"):
+            for status in registry.plugin_statuses():
+                print(f"dsv4: plugin {status.name}: {status.state} {status.error or status.backends}",
+                      file=sys.stderr)
+    return _REGISTRY
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (tests; the next ``get_registry()`` reloads)."""
+    global _REGISTRY
+    _REGISTRY = None
+
+
+def select(request: OpRequest, backend: str | Backend | None = None) -> Backend:
+    """``get_registry().select(request, backend)``."""
+    return get_registry().select(request, backend)
+
+
+def get_backend(name: str) -> Backend:
+    """``get_registry().get(name)``."""
+    return get_registry().get(name)

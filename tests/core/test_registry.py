@@ -1,0 +1,136 @@
+"""Registry: guarded plugin loading, strict mode, entry points of an out-of-tree plugin, selection order."""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from dsv4.backend import Backend, Capabilities, OpRequest
+from dsv4.hookspecs import hookimpl
+from dsv4.registry import PluginLoadError, Registry
+from dsv4.specs.errors import NoBackendError
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "fixtures"))
+import plugin_env
+
+
+def _backend(name: str, **caps) -> Backend:
+    cls = type(f"B_{name}", (Backend,), {"name": name, "capabilities": Capabilities(**caps)})
+    return cls()
+
+
+def test_capabilities_name_every_refusal():
+    caps = Capabilities(ops=frozenset({"sparse_attention"}), device_types=frozenset({"cuda"}), arch_range=(100, 103),
+                        kv_formats=frozenset({"bf16"}), q_head_counts=frozenset({64, 128}), topk_alignment=64,
+                        supports_sink=False, profiles=frozenset({"vllm"}))
+    request = OpRequest("sparse_attention", device_type="cuda", arch="sm_90", dtype=torch.bfloat16,
+                        kv_format="fp8_ds_mla", heads=8, topk=96, profile="deepseek", has_sink=True)
+    text = " | ".join(caps.reasons(request))
+    for fragment in ("sm_100..sm_103, found sm_90", "kv_format bf16, found fp8_ds_mla", "q heads in 128, 64",
+                     "multiple of 64, found 96", "attention sink", "profile vllm, found deepseek"):
+        assert fragment in text
+    assert caps.reasons(OpRequest("sparse_attention", device_type="cuda", arch="sm_100", kv_format="bf16",
+                                  heads=64, topk=128, profile="vllm")) == []
+    assert "does not implement op indexer_q" in caps.reasons(OpRequest("indexer_q", device_type="cuda"))[0]
+
+
+def test_selection_explicit_then_env_then_priority(monkeypatch):
+    registry = Registry()
+    registry.register_backend(_backend("reference"))
+    registry.register_backend(_backend("triton", device_types=frozenset({"cuda"})))
+    registry.register_backend(_backend("zz-third-party"))
+    request = OpRequest("output_projection", device_type="cpu")
+    monkeypatch.delenv("DSV4_BACKEND", raising=False)
+    assert registry.select(request).name == "reference"  # CPU priority: reference first
+    assert registry.select(request, "zz-third-party").name == "zz-third-party"
+    monkeypatch.setenv("DSV4_BACKEND", "zz-third-party")
+    assert registry.select(request).name == "zz-third-party"
+    assert registry.select(request, "reference").name == "reference"  # the argument beats the env
+    monkeypatch.setenv("DSV4_BACKEND", "triton")  # forced and unfit: an error, never a fallback
+    with pytest.raises(NoBackendError, match="DSV4_BACKEND: backend triton cannot run .*needs device type cuda"):
+        registry.select(request)
+    with pytest.raises(NoBackendError, match="expected one of reference, triton, zz-third-party"):
+        registry.select(request, "nope")
+
+
+def test_no_backend_error_lists_every_candidate(monkeypatch):
+    monkeypatch.delenv("DSV4_BACKEND", raising=False)
+    registry = Registry()
+    registry.register_backend(_backend("reference", kv_formats=frozenset({"bf16"})))
+    registry.register_backend(_backend("flashmla", device_types=frozenset({"cuda"})))
+    broken = _backend("aiter")
+    broken.probe = lambda: ["aiter not importable: ModuleNotFoundError"]
+    registry.register_backend(broken)
+    with pytest.raises(NoBackendError) as info:
+        registry.select(OpRequest("sparse_attention", kv_format="fp8_ds_mla"))
+    message = str(info.value)
+    assert "reference: needs kv_format bf16, found fp8_ds_mla" in message
+    assert "flashmla: needs device type cuda, found cpu" in message
+    assert "aiter: aiter not importable" in message
+
+
+def test_hook_that_raises_is_recorded_and_rolled_back():
+    registry = Registry()
+
+    plugin = types.ModuleType("half_plugin")
+
+    @hookimpl
+    def dsv4_register_backends(register):
+        register(_backend("half-a"))
+        raise RuntimeError("boom after one backend")
+
+    plugin.dsv4_register_backends = dsv4_register_backends
+    status = registry.load_plugin(plugin, "half", strict=False)
+    assert status.state == "failed" and "RuntimeError: boom after one backend" in status.error
+    assert "half-a" not in registry.backend_names()  # partial registration rolled back
+    with pytest.raises(PluginLoadError, match="plugin half"):
+        Registry().load_plugin(plugin, "half", strict=True)
+
+
+def test_duplicate_name_fails_the_second_plugin():
+    registry = Registry()
+    registry.register_backend(_backend("reference"))
+    plugin = types.ModuleType("dup_plugin")
+    plugin.dsv4_register_backends = hookimpl(lambda register: register(_backend("reference")))
+    status = registry.load_plugin(plugin, "dup", strict=False)
+    assert status.state == "failed" and "already registered" in status.error
+
+
+@pytest.fixture
+def fixture_plugins(tmp_path, monkeypatch):
+    target = plugin_env.install(tmp_path, "dsv4_fixture_plugin", "dsv4_broken_plugin")
+    monkeypatch.syspath_prepend(str(target))
+    importlib.invalidate_caches()
+    yield target
+    for name in ("dsv4_fixture_plugin", "dsv4_broken_plugin"):
+        sys.modules.pop(name, None)
+
+
+def test_out_of_tree_plugin_registers_through_its_entry_point(fixture_plugins, monkeypatch):
+    monkeypatch.delenv("DSV4_STRICT_PLUGINS", raising=False)
+    registry = Registry()
+    statuses = {s.name: s for s in registry.load_entry_points()}
+    echo = statuses["fixture-echo"]
+    assert echo.state == "loaded" and echo.backends == ["fixture-echo"]
+    assert echo.distribution == "dsv4-fixture-plugin" and echo.version == "0.1.0"
+    assert registry.get("fixture-echo").capabilities.ops == frozenset({"output_projection"})
+    broken = statuses["fixture-broken"]
+    assert broken.state == "failed" and "simulated import failure" in broken.error
+    assert statuses["reference"].state == "loaded" and "reference" in registry.backend_names()
+
+
+def test_strict_plugins_env_turns_a_load_failure_into_an_error(fixture_plugins, monkeypatch):
+    monkeypatch.setenv("DSV4_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginLoadError, match="fixture-broken .*simulated import failure"):
+        Registry().load_entry_points()
+
+
+def test_allow_list_blocks_other_plugins(fixture_plugins, monkeypatch):
+    monkeypatch.setenv("DSV4_PLUGINS", "reference")
+    registry = Registry()
+    statuses = {s.name: s.state for s in registry.load_entry_points()}
+    assert statuses["reference"] == "loaded" and statuses["fixture-broken"] == "blocked"
+    assert registry.backend_names() == ["reference"]
