@@ -43,16 +43,28 @@ _LAZY = {
 }
 
 __all__ = [
-    "__version__",
-    "DSV4Error",
-    "DSV4ValueError",
-    "DSV4TypeError",
-    "ConfigError",
-    "CacheLayoutError",
+    "Attention",
     "BackendUnavailableError",
+    "CacheLayoutError",
+    "ConfigError",
+    "DSV4Error",
+    "DSV4TypeError",
+    "DSV4ValueError",
+    "LayerKind",
+    "ModelConfig",
     "NoBackendError",
-    *_LAZY,
+    "NumericsProfile",
+    "PagedKVCache",
+    "RopeScaling",
+    "Step",
+    "StepMetadata",
+    "StepRequest",
+    "__version__",
+    "get_codec",
+    "get_format",
+    "get_profile",
 ]
+assert set(__all__) >= set(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,6 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-
 from dsv4.metadata import (
     INDEX_ALIGNMENT,
     GroupTable,
@@ -35,7 +34,7 @@ from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 from dsv4.specs.numerics import get_profile
 
-__all__ = ["StepRequest", "Step", "LayerCache", "PagedKVCache", "OutOfBlocksError"]
+__all__ = ["LayerCache", "OutOfBlocksError", "PagedKVCache", "Step", "StepRequest"]
 
 
 class OutOfBlocksError(DSV4ValueError):
@@ -73,7 +72,7 @@ class Step:
     """A planned step: the metadata plus the cache it refers to."""
 
     metadata: StepMetadata
-    cache: "PagedKVCache"
+    cache: PagedKVCache
 
 
 class _Group:
@@ -154,7 +153,7 @@ class PagedKVCache:
         prof = get_profile(profile)
         self.kv_format = kv_format or prof.kv_format
         self.indexer_key_format = indexer_key_format or prof.indexer_key_format
-        self.layer_ids = tuple(sorted(set(int(i) for i in layer_ids)))
+        self.layer_ids = tuple(sorted({int(i) for i in layer_ids}))
         if not self.layer_ids:
             raise DSV4ValueError.of("layer_ids", "at least one layer id", "an empty list")
         kinds = {i: cfg.layer_kind(i) for i in self.layer_ids}

@@ -17,8 +17,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from dsv4 import ops
 from dsv4.cache import Step
 from dsv4.metadata import topk_local_to_global
@@ -26,8 +24,9 @@ from dsv4.rope import rope_cos_sin
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 from dsv4.specs.numerics import get_profile
+from torch import nn
 
-__all__ = ["Attention", "RMSNorm", "Compressor", "Indexer"]
+__all__ = ["Attention", "Compressor", "Indexer", "RMSNorm"]
 
 OP_NAMES = ("qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk", "sparse_attention",
             "output_projection")

@@ -13,16 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from dsv4.specs.errors import DSV4ValueError
 
 __all__ = [
     "GroupTable",
     "RatioMetadata",
     "StepMetadata",
+    "round_up",
     "slots_from_block_table",
     "topk_local_to_global",
-    "round_up",
 ]
 
 # Index tables whose width depends on the context are padded to this multiple, which is what the

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "DSV4Error",
-    "DSV4ValueError",
-    "DSV4TypeError",
-    "ConfigError",
-    "CacheLayoutError",
     "BackendUnavailableError",
+    "CacheLayoutError",
+    "ConfigError",
+    "DSV4Error",
+    "DSV4TypeError",
+    "DSV4ValueError",
     "NoBackendError",
     "format_expectation",
 ]
@@ -40,7 +40,7 @@ class DSV4Error(Exception):
         self.received = received
 
     @classmethod
-    def of(cls, argument: str, expected: str, received: Any, hint: str = "") -> "DSV4Error":
+    def of(cls, argument: str, expected: str, received: Any, hint: str = "") -> DSV4Error:
         """Build the error from its three parts (and an optional hint)."""
         return cls(format_expectation(argument, expected, received, hint),
                    argument=argument, expected=expected, received=received)

@@ -23,6 +23,8 @@ from dsv4.codecs import get_codec
 from dsv4.specs.formats import get_format
 
 __all__ = [
+    "SPARSE_DECODE_SWEEP",
+    "SPARSE_PREFILL_SWEEP",
     "flash_mla_module",
     "measure_ceilings",
     "print_table",
@@ -66,9 +68,22 @@ def measure_ceilings(device: str = "cuda") -> dict[str, float]:
 
 
 def random_latent_cache(num_slots: int, block_size: int, device: str) -> torch.Tensor:
-    """fp8_ds_mla pages of random finite bytes (codes < 0x40: no NaN, small scales; never zeros)."""
+    """fp8_ds_mla pages of random finite records, never zeros (SPEC §9.1 field by field).
+
+    e4m3 codes of either sign without the NaN code, UE8M0 scale bytes 2**-9 .. 2**-5 (what unit-RMS
+    rows quantize to), bf16 rope ~ N(0, 1): realistic magnitudes, built directly so that a 10 GB
+    cache costs no quantization pass.
+    """
     num_blocks = -(-num_slots // block_size)
-    cache = torch.randint(0, 0x40, (num_blocks, LATENT.page_stride(block_size)), dtype=torch.uint8, device=device)
+    shape = (num_blocks, LATENT.page_stride(block_size))
+    cache = torch.randint(0, 0x7F, shape, dtype=torch.uint8, device=device)  # 0x7f / 0xff are NaN
+    cache |= torch.randint(0, 2, shape, dtype=torch.uint8, device=device) << 7
+    data = cache[:, : block_size * LATENT.data_bytes].view(num_blocks, block_size, LATENT.data_bytes)
+    rope = torch.randn(num_blocks, block_size, LATENT.rope_dim, device=device).to(torch.bfloat16)
+    data[:, :, LATENT.nope_bytes:] = rope.view(torch.uint8)
+    start = LATENT.scale_offset(block_size)
+    scales = cache[:, start: start + block_size * LATENT.scale_row_bytes]
+    scales.copy_(torch.randint(118, 123, scales.shape, dtype=torch.uint8, device=device))
     return cache
 
 
@@ -87,8 +102,26 @@ def _fm_cache_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
                             (cache.shape[1], LATENT.token_bytes, LATENT.token_bytes, 1))
 
 
+# Launch shapes worth timing for the sparse-attention rows (keywords of TritonBackend.sparse_attention;
+# docs/triton.md has the H200 sweep that chose the defaults).
+SPARSE_DECODE_SWEEP: tuple[dict, ...] = (
+    {"block_keys": 64, "num_stages": 5, "prefetch": False},
+    {"block_keys": 32, "num_stages": 5, "prefetch": False},
+    {"block_keys": 64, "num_stages": 2, "prefetch": False},
+    {"block_keys": 32, "num_stages": 1, "prefetch": True},
+    {"block_keys": 64, "num_stages": 5, "prefetch": False, "num_splits": 2},
+)
+SPARSE_PREFILL_SWEEP: tuple[dict, ...] = (
+    {"block_keys": 64, "num_stages": 2, "prefetch": False},
+    {"block_keys": 32, "num_stages": 5, "prefetch": False},
+    {"block_keys": 32, "num_stages": 4, "prefetch": False},
+    {"block_keys": 32, "num_stages": 1, "prefetch": True},
+)
+
+
 def bench_sparse_decode(ceil: dict[str, float], batch: int, heads: int, topk: int, context: int = 8192,
-                        device: str = "cuda", tuning: dict | None = None) -> dict[str, Any]:
+                        device: str = "cuda", tuning: dict | None = None,
+                        profile: str = "deepseek") -> dict[str, Any]:
     swa_block, cmp_block = 64, 64
     backend = TritonBackend()
     swa_cache = random_latent_cache(batch * 256, swa_block, device)
@@ -106,13 +139,13 @@ def bench_sparse_decode(ceil: dict[str, float], batch: int, heads: int, topk: in
     def ours(i: int):
         return backend.sparse_attention(qs[i], swa_cache, swa_idx[i], swa_lens, cmp_cache, cmp_idx[i], cmp_lens,
                                         sink, kv_format="fp8_ds_mla", softmax_scale=D ** -0.5,
-                                        profile="deepseek", **tuning)
+                                        profile=profile, **tuning)
 
     ms = time_cuda(ours)
     keys = 128 + topk
     flops = 2 * batch * heads * (D + D) * keys
     bytes_moved = batch * keys * LATENT.token_bytes
-    row = {"name": f"sparse decode b={batch} h={heads} swa128+top{topk} ctx={context}", "ms": ms,
+    row = {"name": f"sparse decode b={batch} h={heads} swa128+top{topk} ctx={context} {profile}", "ms": ms,
            "tflops": flops / ms / 1e9, "gbs": bytes_moved / ms / 1e6}
     fm = flash_mla_module()
     if fm is not None:
@@ -262,6 +295,7 @@ def run_benchmarks(ceil: dict[str, float], tuning_decode: dict | None = None,
         lambda: bench_sparse_decode(ceil, 128, 64, 512, tuning=tuning_decode),
         lambda: bench_sparse_decode(ceil, 128, 128, 1024, tuning=tuning_decode),
         lambda: bench_sparse_decode(ceil, 128, 64, 512, context=524288, tuning=tuning_decode),
+        lambda: bench_sparse_decode(ceil, 128, 64, 512, tuning=tuning_decode, profile="vllm"),
         lambda: bench_sparse_prefill(ceil, 64, 640, tuning=tuning_prefill),
         lambda: bench_sparse_prefill(ceil, 128, 1152, tuning=tuning_prefill),
         lambda: bench_compressor(ceil),

@@ -53,10 +53,13 @@ def _tile_source(tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8
 
 
 @triton.jit
-def _load_slots(idx_row, local_tile, length, live, BN: tl.constexpr):
-    """[BN] int32 slots of one tile and [BN] validity (in the list, not -1 (SPEC §10), tile live)."""
-    j = local_tile * BN + tl.arange(0, BN)
-    in_list = j < tl.where(live, length, 0)
+def _load_slots(idx_row, local_tile, length, BN: tl.constexpr, REPEAT: tl.constexpr):
+    """[BN] int32 slots of one tile and [BN] validity (in the list and not -1, SPEC §10).
+
+    A tile covers ``BN // REPEAT`` keys, each repeated ``REPEAT`` times in a row.
+    """
+    j = local_tile * (BN // REPEAT) + tl.arange(0, BN) // REPEAT
+    in_list = j < length
     slots = tl.load(idx_row + j, mask=in_list, other=-1)
     return slots, in_list & (slots >= 0)
 
@@ -69,17 +72,18 @@ def _issue_gather(u8_ptr, bf16_ptr, i64_ptr, slots, valid,
 
     fp8 (SPEC §9.1, A5 §9.2): (e4m3 codes u8 [BN, C, E], rope bf16 [BN, 1, E], scale word i64 [BN]);
     the 8 scale bytes of a row are one little-endian word (byte c = chunk c), so a row costs one
-    8-byte load instead of one byte load per element. bf16 rows: (rows bf16 [BN, C, E], 0, 0).
+    8-byte load instead of one byte load per element. bf16 rows: (rows bf16 [BN, D], 0, 0).
     Invalid rows read as 0 (no memory access).
     """
     safe = tl.where(valid, slots, 0).to(tl.int64)
     page = safe // block_size
     in_page = safe - page * block_size
-    rows = (page * page_stride + in_page * token_stride)[:, None, None]  # byte offset of each record
-    row_ok = valid[:, None, None]
-    chunk = tl.arange(0, CHUNKS)[None, :, None]
-    elem = tl.arange(0, CHUNK)[None, None, :]
+    record = page * page_stride + in_page * token_stride  # [BN] byte offset of each record
     if FP8:
+        rows = record[:, None, None]
+        row_ok = valid[:, None, None]
+        chunk = tl.arange(0, CHUNKS)[None, :, None]
+        elem = tl.arange(0, CHUNK)[None, None, :]
         codes = tl.load(u8_ptr + rows + nope_offset + chunk * CHUNK + elem,
                         mask=row_ok & (chunk < NOPE_CHUNKS), other=0)
         rope = tl.load(bf16_ptr + (rows + rope_offset) // 2 + elem, mask=row_ok, other=0.0)
@@ -87,7 +91,9 @@ def _issue_gather(u8_ptr, bf16_ptr, i64_ptr, slots, valid,
         word = tl.load(i64_ptr + (scale_row >> 3), mask=valid, other=0)
         raw = codes
     else:
-        raw = tl.load(bf16_ptr + (rows + nope_offset) // 2 + chunk * CHUNK + elem, mask=row_ok, other=0.0)
+        # 2-D [BN, D] so that the gathered rows can go straight to the dot's shared-memory operand.
+        cols = tl.arange(0, CHUNKS * CHUNK)[None, :]
+        raw = tl.load(bf16_ptr + (record[:, None] + nope_offset) // 2 + cols, mask=valid[:, None], other=0.0)
         rope = tl.zeros([1, 1, CHUNK], tl.bfloat16)
         word = tl.zeros([1], tl.int64)
     return raw, rope, word
@@ -110,9 +116,10 @@ def _dequantize(raw, rope, word, FP8: tl.constexpr, HW_FP8: tl.constexpr, NOPE_C
             nope = decode_e4m3(raw)
         # e4m3 (4 significant bits) times a power of two is a bf16 value: the cast is exact.
         k = tl.where(is_nope, (nope * scale).to(OUT_DTYPE), rope.to(OUT_DTYPE))
+        k = tl.reshape(k, [k.shape[0], CHUNKS * CHUNK])
     else:
         k = raw.to(OUT_DTYPE)
-    return tl.reshape(k, [k.shape[0], CHUNKS * CHUNK])
+    return k
 
 
 @triton.jit
@@ -124,19 +131,27 @@ def _sparse_attention_kernel(
         ext_block, ext_page_stride, ext_token_stride, ext_nope_off, ext_rope_off, ext_scale_off, ext_scale_stride,
         sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml,
         num_heads, swa_width, ext_width, scale_log2,
-        HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr, PREFETCH: tl.constexpr,
+        HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
         NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PROBS_BF16: tl.constexpr):
+        PROBS_BF16: tl.constexpr, REPEAT: tl.constexpr):
     """Grid (T, cdiv(H, BH), NUM_SPLITS). q [T,H,D] bf16; out [T,H,D] bf16; lse [T,H] fp32.
 
-    ``PREFETCH``: software pipeline in registers (launch with num_stages=1): the gather of tile
-    i+1 and the indices of tile i+2 are in flight while tile i is computed. Without it, loads are
-    issued in the tile's own iteration and Triton's pipeliner (num_stages > 1) schedules them.
+    Transposed ("swap AB") tiles: scores are ``S^T = K q^T`` ``[BN, BH]`` and the accumulator is
+    ``O^T = K^T P^T`` ``[D, BH]``, so the MMA M dimension is the keys (64) and D (512) rather than
+    the heads. Both dots take their operands from shared memory (K once, q^T once, P^T per tile);
+    the warps split D for P@V and the heads for the scores, so no warp recomputes another's
+    scores, and heads < 64 still run on wgmma.
+
+    ``REPEAT`` = 2 (fp32 probabilities through bf16 tensor cores, the vllm profile): every key
+    appears twice in a tile, the first copy's probability is ``hi = bf16(p)`` and the second's
+    ``lo = bf16(p - hi)``, so ONE P@V dot sums ``(hi + lo) v`` with relative error ~2**-16; two
+    chained dots instead spill the accumulator.
     The SWA and extra caches share one format: token stride, nope/rope offsets and scale stride
     are taken from the SWA layout for both.
     """
     D: tl.constexpr = CHUNKS * CHUNK
+    KEYS: tl.constexpr = BN // REPEAT  # distinct keys a tile
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,16 +159,16 @@ def _sparse_attention_kernel(
     head_ok = heads < num_heads
     cols = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_t = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + cols[:, None],
+                  mask=head_ok[None, :], other=0.0).to(DOT_DTYPE)  # q^T [D, BH]
 
     swa_len = tl.minimum(tl.load(swa_lens + t), swa_width)
-    n_swa = tl.cdiv(swa_len, BN)
+    n_swa = tl.cdiv(swa_len, KEYS)
     if HAS_EXTRA:
         ext_len = tl.minimum(tl.load(ext_lens + t), ext_width)
     else:
         ext_len = 0
-    total = n_swa + tl.cdiv(ext_len, BN)
+    total = n_swa + tl.cdiv(ext_len, KEYS)
     per_split = tl.cdiv(total, NUM_SPLITS)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, total)
@@ -162,70 +177,34 @@ def _sparse_attention_kernel(
 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    if PREFETCH:
-        # Prologue: gather of tile lo in flight, indices of tile lo + 1 loaded.
+    acc = tl.zeros([D, BH], tl.float32)  # O^T
+    for tile in range(lo, hi):
         local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
-            lo, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64,
-            swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, HAS_EXTRA)
-        slots, next_valid = _load_slots(idx_row, local, length, lo < hi, BN)
-        next_raw, next_rope, next_word = _issue_gather(
-            u8, bf16, i64, slots, next_valid, block, page_stride, swa_token_stride, swa_nope_off, swa_rope_off,
-            scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
-        local, after_row, length, _, _, _, _, _, _ = _tile_source(
-            lo + 1, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
+            tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
             ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off,
             HAS_EXTRA)
-        after_slots, after_valid = _load_slots(after_row, local, length, lo + 1 < hi, BN)
-    for tile in range(lo, hi):
-        if PREFETCH:
-            raw, rope, word, valid = next_raw, next_rope, next_word, next_valid
-            # Issue tile + 1's gather (its indices arrived during the previous tile) and tile + 2's indices.
-            _, _, _, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
-                tile + 1, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
-                swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
-                ext_scale_off, HAS_EXTRA)
-            next_valid = after_valid
-            next_raw, next_rope, next_word = _issue_gather(
-                u8, bf16, i64, after_slots, next_valid, block, page_stride, swa_token_stride, swa_nope_off,
-                swa_rope_off, scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
-            local, after_row, length, _, _, _, _, _, _ = _tile_source(
-                tile + 2, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
-                swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
-                ext_scale_off, HAS_EXTRA)
-            after_slots, after_valid = _load_slots(after_row, local, length, tile + 2 < hi, BN)
-        else:
-            local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
-                tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
-                ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off,
-                HAS_EXTRA)
-            slots, valid = _load_slots(idx_row, local, length, tile < hi, BN)
-            raw, rope, word = _issue_gather(
-                u8, bf16, i64, slots, valid, block, page_stride, swa_token_stride, swa_nope_off, swa_rope_off,
-                scale_off, swa_scale_stride, FP8, NOPE_CHUNKS, CHUNKS, CHUNK)
-        k = _dequantize(raw, rope, word, FP8, HW_FP8, NOPE_CHUNKS, CHUNKS, CHUNK, DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32 accumulation, log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        slots, valid = _load_slots(idx_row, local, length, BN, REPEAT)
+        raw, rope, word = _issue_gather(u8, bf16, i64, slots, valid, block, page_stride, swa_token_stride,
+                                        swa_nope_off, swa_rope_off, scale_off, swa_scale_stride, FP8,
+                                        NOPE_CHUNKS, CHUNKS, CHUNK)
+        k = _dequantize(raw, rope, word, FP8, HW_FP8, NOPE_CHUNKS, CHUNKS, CHUNK, DOT_DTYPE)  # [BN, D]
+        s = tl.dot(k, q_t) * scale_log2  # S^T [BN, BH], fp32 accumulation, log2 domain
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)  # the denominator sums fp32 probabilities (SPEC §6.6)
-        acc = acc * alpha[:, None]
-        if PROBS_BF16:
-            # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V (RNE on every target).
-            acc = tl.dot(round_bf16(p).to(DOT_DTYPE), k, acc)
-        elif DOT_DTYPE == tl.bfloat16:
-            # fp32 probabilities (vllm profile) through bf16 tensor cores: p = hi + lo, two exact-operand
-            # dots, relative error ~2**-16 instead of bf16's 2**-8.
-            # One dot over [p_hi | p_lo] (interleaved, K = 2 * BN) and k with every row twice: two
-            # chained register-operand dots spill the accumulator.
+        p = tl.exp2(s - m_safe[None, :])
+        acc = acc * alpha[None, :]
+        if REPEAT == 2:
+            first = (tl.arange(0, BN) % 2 == 0)[:, None]
+            l_i = l_i * alpha + tl.sum(tl.where(first, p, 0.0), 0)
             p_hi = round_bf16(p)
-            p2 = tl.reshape(tl.join(p_hi, p - p_hi), [BH, 2 * BN]).to(tl.bfloat16)
-            k2 = tl.reshape(tl.broadcast_to(k[:, None, :], [BN, 2, D]), [2 * BN, D])
-            acc = tl.dot(p2, k2, acc)
+            p = tl.where(first, p_hi, p - p_hi)
         else:
-            acc = tl.dot(p, k, acc)
+            l_i = l_i * alpha + tl.sum(p, 0)  # the denominator sums fp32 probabilities (SPEC §6.6)
+            if PROBS_BF16:
+                p = round_bf16(p)  # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V (RNE)
+        acc = tl.dot(tl.trans(k), p.to(DOT_DTYPE), acc)  # O^T += K^T P^T
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -233,22 +212,23 @@ def _sparse_attention_kernel(
                 lse_ptr + t64 * num_heads)
     else:
         row = (t64 * num_heads + heads) * NUM_SPLITS + split  # [BH] partial row ids
-        tl.store(part_acc + row[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_acc + row[None, :] * D + cols[:, None], acc, mask=head_ok[None, :])
         tl.store(part_ml + row * 2, m_i, mask=head_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=head_ok)
 
 
 @triton.jit
 def _finish(acc, m_i, l_i, sink_ptr, heads, head_ok, cols, out_row, stride_oh, lse_row):
-    """SPEC §7: the sink joins the denominator, lse excludes it; empty set -> out 0, lse +inf."""
+    """O^T ``acc`` [D, BH] -> out rows; SPEC §7: the sink joins the denominator, lse excludes it;
+    empty set -> out 0, lse +inf."""
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=float("-inf")) * 1.4426950408889634
     empty = l_i == 0.0
     m_safe = tl.where(empty, 0.0, m_i)
     top = tl.maximum(m_safe, sink)
     denominator = l_i * tl.exp2(m_safe - top) + tl.exp2(sink - top)
     factor = tl.where(empty, 0.0, tl.exp2(m_safe - top) / denominator)
-    out = acc * factor[:, None]
-    tl.store(out_row + heads[:, None] * stride_oh + cols[None, :], to_bf16(out), mask=head_ok[:, None])
+    out = acc * factor[None, :]
+    tl.store(out_row + heads[None, :] * stride_oh + cols[:, None], to_bf16(out), mask=head_ok[None, :])
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(lse_row + heads, lse, mask=head_ok)
 
@@ -272,27 +252,21 @@ def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, 
     cols = tl.arange(0, D)
     acc = tl.load(part_acc + row[:, None] * D + cols[None, :], mask=split_ok[:, None] & live[:, None], other=0.0)
     acc = tl.sum(acc * weight[:, None], 0)
-    # Reuse the single-split epilogue on a one-head block.
+    # Reuse the single-split epilogue on a one-head block (O^T [D, 1]).
     one = tl.arange(0, 1) + h
-    _finish(acc[None, :], tl.zeros([1], tl.float32) + m_max, tl.zeros([1], tl.float32) + l_i, sink_ptr,
+    _finish(acc[:, None], tl.zeros([1], tl.float32) + m_max, tl.zeros([1], tl.float32) + l_i, sink_ptr,
             one, one < num_heads, cols, out_ptr + t * stride_ot, stride_oh, lse_ptr + t * num_heads)
 
 
 @dataclass(frozen=True)
 class SparseTuning:
-    """Launch shape of ``_sparse_attention_kernel`` (``default_tuning``; H200 sweep in docs/triton.md).
-
-    ``prefetch``: the kernel's own register pipeline (launched with one stage) instead of Triton's
-    (``num_stages`` > 1), which for this gather loop waits for each tile's loads right after
-    issuing them.
-    """
+    """Launch shape of ``_sparse_attention_kernel`` (``default_tuning``; H200 sweep in docs/triton.md)."""
 
     block_heads: int
     block_keys: int
     num_warps: int
     num_stages: int
     num_splits: int
-    prefetch: bool
 
 
 def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms: int) -> int:
@@ -305,20 +279,29 @@ def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms
     programs = num_tokens * head_blocks
     if max_tiles <= 1 or programs * 4 >= 3 * num_sms:
         return 1
-    return max(1, min(max_tiles, round(num_sms / programs), 64))
+    return max(1, min(max_tiles, round(num_sms / programs), 16))
 
 
-def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int) -> SparseTuning:
+def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int,
+                   fp8_rows: bool = True) -> SparseTuning:
     """Heuristic launch shape for ``num_tokens`` queries of ``num_heads`` heads over ``key_width`` keys.
 
-    64-head blocks (the wgmma M; fewer heads use a 16/32 block and 4 warps), 64-key tiles
-    (16 under the interpreter), 8 warps, the register pipeline, splits from ``choose_num_splits``.
+    64-head blocks (the wgmma M; fewer heads: a 16/32 block on mma.sync, 4 warps); Triton's
+    pipeline with 5 stages, which double-buffers the gathered rows (fewer stages leave one buffer
+    and wait on each tile's loads right after issuing them); 64-key tiles for fp8 pages (215 KB of
+    shared memory on sm_90), 32 for bf16 rows, which go straight to shared memory (3 x 32 KB);
+    16-key tiles under the interpreter. Splits from ``choose_num_splits``.
     """
     block_heads = max(16, min(64, next_pow2(num_heads)))
-    block_keys = 16 if INTERPRET else 64
+    if INTERPRET:
+        block_keys, num_stages = 16, 1
+    elif block_heads < 64:
+        block_keys, num_stages = 32, 3
+    else:
+        block_keys, num_stages = (64, 5) if fp8_rows else (32, 5)
     splits = choose_num_splits(num_tokens, triton.cdiv(num_heads, block_heads),
                                triton.cdiv(key_width, block_keys), num_sms)
-    return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, 1, splits, True)
+    return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, num_stages, splits)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -367,12 +350,13 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      sink: torch.Tensor, *, softmax_scale: float, probs_bf16: bool,
                      num_splits: int | None = None, block_heads: int | None = None,
                      block_keys: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None,
-                     prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int | None = None, split_probs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch. q [T,H,D] bf16; indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32.
 
     Returns (out [T,H,D] bf16, lse [T,H] fp32). Inputs are assumed validated by the backend.
-    The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``.
+    The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``;
+    ``split_probs`` forces (or disables) the hi/lo probability split of fp32-probability profiles,
+    which is on by default wherever the dots take bf16 operands.
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty_like(q)
@@ -383,13 +367,15 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     swa_width = swa_indices.shape[1]
     ext_width = extra_indices.shape[1] if has_extra else 0
     num_sms = _num_sms(q.device)
-    tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms)
+    tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
     bh = block_heads or tuning.block_heads
     bn = block_keys or tuning.block_keys
     head_blocks = triton.cdiv(num_heads, bh)
+    # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
+    repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
+    keys = bn // repeat
     splits = num_splits or choose_num_splits(num_tokens, head_blocks,
-                                             triton.cdiv(swa_width, bn) + triton.cdiv(ext_width, bn), num_sms)
-    use_prefetch = tuning.prefetch if prefetch is None else prefetch
+                                             triton.cdiv(swa_width, keys) + triton.cdiv(ext_width, keys), num_sms)
     swa = swa_layout
     ext = extra_layout if has_extra else swa_layout
     chunk, nope_chunks, chunks = _record_geometry(swa, ext)
@@ -408,7 +394,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     launch = {}
     if not INTERPRET:
         launch["num_warps"] = num_warps or (8 if bh >= 64 else 4)
-        launch["num_stages"] = num_stages or (1 if use_prefetch else 2)
+        launch["num_stages"] = num_stages or tuning.num_stages
     _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
         q, q.stride(0), q.stride(1),
         swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa.kernel_args(),
@@ -416,9 +402,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
         sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
         num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
         HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and _hardware_e4m3(q.device),
-        PREFETCH=use_prefetch, NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
+        NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
         BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-        PROBS_BF16=probs_bf16, **launch)
+        PROBS_BF16=probs_bf16, REPEAT=repeat, **launch)
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, sink, out, out.stride(0), out.stride(1), lse, num_heads,

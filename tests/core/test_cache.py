@@ -1,7 +1,6 @@
 """Paged caches and step metadata (SPEC §9-§10): allocation, windows, slots, index lists."""
 import pytest
 import torch
-
 from dsv4.cache import OutOfBlocksError, PagedKVCache, StepRequest
 from dsv4.metadata import slots_from_block_table, topk_local_to_global
 from dsv4.specs.config import ModelConfig

@@ -1,7 +1,6 @@
 """The layer (SPEC §3): official names, chunking invariance, mixed batches, ideal vs serving, SPEC §12 errors."""
 import pytest
 import torch
-
 from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
 from dsv4.conformance.layer_golden import judge_rows, row_cosine
 from dsv4.specs.errors import CacheLayoutError, DSV4Error, DSV4TypeError, DSV4ValueError

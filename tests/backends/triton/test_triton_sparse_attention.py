@@ -1,4 +1,10 @@
-"""sparse_attention (SPEC §7): split-K decode and single-pass prefill vs the float64 reference."""
+"""sparse_attention (SPEC §7): split-K decode and single-pass prefill vs the float64 reference.
+
+Every launch variant of the kernel (its own register pipeline or Triton's, key tile widths, the
+hi/lo probability split of fp32-probability profiles, key splits + combine) must compute the
+same function; each runs on fresh random caches with -1 entries, empty rows, a -inf sink and
+SWA / extra caches of different page sizes.
+"""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +12,10 @@ import torch
 from _triton_helpers import assert_close
 from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
+from dsv4.backends.triton.sparse_attention import choose_num_splits, default_tuning
 from dsv4.codecs import get_codec
+
+SCALE = 512 ** -0.5
 
 
 def _filled_cache(kv_format: str, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -24,28 +33,8 @@ def _indices(num_tokens: int, width: int, capacity: int) -> tuple[torch.Tensor, 
     return idx, lens
 
 
-@pytest.mark.parametrize("kv_format,profile", [("fp8_ds_mla", "deepseek"), ("bf16", "vllm")])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_matches_float64_reference(kv_format: str, profile: str, num_splits: int) -> None:
-    num_tokens, heads = 4, 8
-    swa_cache = _filled_cache(kv_format, 3, 16)
-    extra_cache = _filled_cache(kv_format, 5, 8)
-    swa_idx, swa_lens = _indices(num_tokens, 24, 48)
-    extra_idx, extra_lens = _indices(num_tokens, 40, 40)
-    swa_lens[0], extra_lens[0] = 0, 0  # empty set: out 0, lse +inf
-    extra_lens[1] = 40
-    q = (torch.randn(num_tokens, heads, 512) * 0.3).to(torch.bfloat16)
-    sink = torch.randn(heads)
-    sink[1] = float("-inf")  # no effect
-    backend = TritonBackend()
-    out, lse = backend.sparse_attention(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx, extra_lens,
-                                        sink, kv_format=kv_format, softmax_scale=512 ** -0.5, profile=profile,
-                                        num_splits=num_splits)
-    out_ref, lse_ref = reference.sparse_attention(q.double(), swa_cache, swa_idx, swa_lens, extra_cache,
-                                                  extra_idx, extra_lens, sink.double(), kv_format=kv_format,
-                                                  softmax_scale=512 ** -0.5, profile=profile)
+def _check(out, lse, out_ref, lse_ref, profile: str) -> None:
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert torch.all(out[0] == 0) and torch.all(torch.isinf(lse[0]))
     if profile == "vllm":
         assert_close("out", out, out_ref, "sparse_attention", "out")
     else:
@@ -55,6 +44,46 @@ def test_matches_float64_reference(kv_format: str, profile: str, num_splits: int
     assert_close("lse", lse, lse_ref, "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
 
 
+def _run_case(kv_format: str, profile: str, heads: int = 8, **tuning) -> None:
+    num_tokens = 4
+    swa_cache = _filled_cache(kv_format, 3, 16)
+    extra_cache = _filled_cache(kv_format, 5, 8)  # another page size: per-tile page stride / scale offset
+    swa_idx, swa_lens = _indices(num_tokens, 24, 48)
+    extra_idx, extra_lens = _indices(num_tokens, 40, 40)
+    swa_lens[0], extra_lens[0] = 0, 0  # empty set: out 0, lse +inf
+    extra_lens[1] = 40
+    swa_lens[2] = 0  # extra entries only
+    q = (torch.randn(num_tokens, heads, 512) * 0.3).to(torch.bfloat16)
+    sink = torch.randn(heads)
+    sink[1] = float("-inf")  # no effect
+    out, lse = TritonBackend().sparse_attention(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx,
+                                                extra_lens, sink, kv_format=kv_format, softmax_scale=SCALE,
+                                                profile=profile, **tuning)
+    out_ref, lse_ref = reference.sparse_attention(q.double(), swa_cache, swa_idx, swa_lens, extra_cache,
+                                                  extra_idx, extra_lens, sink.double(), kv_format=kv_format,
+                                                  softmax_scale=SCALE, profile=profile)
+    assert torch.all(out[0] == 0) and torch.all(torch.isinf(lse[0]))
+    _check(out, lse, out_ref, lse_ref, profile)
+
+
+@pytest.mark.parametrize("kv_format,profile", [("fp8_ds_mla", "deepseek"), ("bf16", "vllm")])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_keys", [16, 32])
+def test_matches_float64_reference(kv_format: str, profile: str, num_splits: int, block_keys: int) -> None:
+    _run_case(kv_format, profile, num_splits=num_splits, block_keys=block_keys)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "bf16"])
+def test_split_probabilities_path(kv_format: str) -> None:
+    # The GPU path of the vllm profile: every key twice a tile, probabilities hi + lo (REPEAT = 2).
+    _run_case(kv_format, "vllm", split_probs=True, block_keys=16, num_splits=2)
+
+
+def test_wide_key_tiles_and_ascend_formats() -> None:
+    _run_case("ascend_a5", "deepseek", block_keys=32)
+    _run_case("ascend_bf16", "vllm", heads=5, block_keys=32)
+
+
 def test_swa_only_and_heads_not_power_of_two() -> None:
     num_tokens, heads = 3, 6
     cache = _filled_cache("fp8_ds_mla", 2, 64)
@@ -62,13 +91,22 @@ def test_swa_only_and_heads_not_power_of_two() -> None:
     q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
     sink = torch.randn(heads)
     out, lse = TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink,
-                                                kv_format="fp8_ds_mla", softmax_scale=512 ** -0.5,
-                                                profile="deepseek")
+                                                kv_format="fp8_ds_mla", softmax_scale=SCALE, profile="deepseek")
     out_ref, lse_ref = reference.sparse_attention(q.double(), cache, idx, lens, None, None, None, sink.double(),
-                                                  kv_format="fp8_ds_mla", softmax_scale=512 ** -0.5,
+                                                  kv_format="fp8_ds_mla", softmax_scale=SCALE,
                                                   profile="deepseek")
-    assert_close("out", out, out_ref, "sparse_attention", "out", abs_tol=4e-3, cos_diff=5e-6, suite=False)
-    assert_close("lse", lse, lse_ref, "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
+    _check(out, lse, out_ref, lse_ref, "deepseek")
+
+
+def test_split_heuristics() -> None:
+    # b=128 h=64 fills 128 of 132 SMs with one split; small batches spread; prefill never splits.
+    assert choose_num_splits(128, 1, 10, 132) == 1
+    assert choose_num_splits(32, 1, 10, 132) == 4
+    assert choose_num_splits(8, 1, 10, 132) == 10  # capped by the tiles there are
+    assert choose_num_splits(4096, 1, 10, 132) == 1
+    tuning = default_tuning(128, 128, 1152, 132)
+    assert (tuning.block_heads, tuning.num_splits) == (64, 1)
+    assert default_tuning(4, 16, 640, 132).block_heads == 16
 
 
 def test_missing_sink_is_an_error() -> None:
@@ -77,4 +115,4 @@ def test_missing_sink_is_an_error() -> None:
     q = torch.randn(2, 4, 512).to(torch.bfloat16)
     with pytest.raises(ValueError, match="sink"):
         TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, None, kv_format="bf16",
-                                         softmax_scale=512 ** -0.5, profile="vllm")
+                                         softmax_scale=SCALE, profile="vllm")

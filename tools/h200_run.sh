@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one call on the H200 (device tool): checks and times everything, writes JSON under $OUT.
+#   carry: .whl (pydantic, pydantic-core, annotated-types, typing-inspection, sgl-flash-mla 1.0.0; cp312)
+#          .device (a copy of ../shared/goldens: deepseek_tiny_b1.{json,safetensors})
+# Usage there: bash tools/h200_run.sh [quick]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dsv4 . >/dev/null 2>&1 \
+  || { echo "install of dsv4 failed"; exit 1; }
+export PYTHONPATH=/tmp/dsv4:/tmp/site PATH=/tmp/dsv4/bin:$PATH
+GOLDEN=.device/deepseek_tiny_b1.json
+step() { echo; echo "=== $*"; "$@"; echo "--- exit $?"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, flash_mla; print(torch.__version__, triton.__version__, 'flash_mla legacy', flash_mla.has_legacy())"
+step dsv4-conformance list
+step dsv4-conformance run --backend triton --device cuda --json "$OUT/conformance_triton.json"
+step dsv4-conformance run --backend flashmla --device cuda --json "$OUT/conformance_flashmla.json"
+step dsv4-conformance layer-golden $GOLDEN --backend triton --device cuda --json "$OUT/golden_triton.json"
+step dsv4-conformance layer-golden $GOLDEN --backend triton --backend sparse_attention=flashmla --device cuda \
+  --json "$OUT/golden_triton_flashmla.json"
+step dsv4-conformance layer-golden $GOLDEN --device cuda --json "$OUT/golden_auto.json"
+step python3 tools/check_flashmla.py --json "$OUT/check_flashmla.json"
+if [ "${1:-}" != "quick" ]; then
+  step python3 tools/gpu_check.py
+fi
