@@ -100,7 +100,7 @@ def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, de
         dist.destroy_process_group()
 
 
-def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backend: str | None = None,
+def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backend: str | list | dict | None = None,
                               device: str = "cpu", save_outputs: str | Path | None = None,
                               timeout_s: float = 600.0) -> ParallelLayerGoldenReport:
     """Replay the golden at ``path`` on ``tp * cp`` spawned ranks and judge rank 0's outputs (SPEC §14).
@@ -112,6 +112,9 @@ def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backen
     output equals rank 0's bit for bit.
     """
     import torch.multiprocessing as mp
+    from dsv4.conformance.layer_golden import parse_backends
+
+    backend = parse_backends(backend)
 
     for name, value in (("tp", tp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -162,19 +162,35 @@ class Attention(nn.Module):
             bad = (~torch.isfinite(x)).any(-1).nonzero().flatten().tolist()
             raise DSV4ValueError.of("x", "finite values", f"NaN/Inf in token rows {bad[:8]}")
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype."""
+    def forward(self, x: torch.Tensor, step: Step, rows: slice | None = None) -> torch.Tensor:
+        """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype.
+
+        rows: a contiguous slice of the step's tokens (context parallelism, docs/parallel.md): the
+        cache updates (SPEC §3 steps 2-4) still run for all ``T`` tokens, so the caches end as after a
+        full call, while indexer scoring, sparse attention and the output projection run for ``rows``
+        only; the result is then ``[len(rows), hidden]``.
+        """
         self._check(x, step)
+        T = x.shape[0]
+        if rows is None:
+            lo, hi = 0, T
+        elif isinstance(rows, slice) and rows.step in (None, 1):
+            lo, hi, _ = rows.indices(T)
+            hi = max(lo, hi)
+        else:
+            raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
         self.reserve_positions(step.metadata.max_seq_len)
         cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
         kv_format = step.cache.kv_format
-        T, H, D = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        H, D = cfg.num_attention_heads, cfg.head_dim
         qr = self.q_norm(self.wq_a(x))
         kv = self.kv_norm(self.wkv(x))
+        # The fused op norms q and inserts kv for the same T tokens; only the rows' q is read below.
         q = self.wq_b(qr).view(T, H, D)
         q = ops.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
                                   kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
                                   backend=be["qnorm_rope_insert"])
+        positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
 
         extra_cache = extra_indices = extra_lens = None
         if self.compressor is not None:
@@ -186,8 +202,8 @@ class Attention(nn.Module):
                 out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
             extra_cache = lc.compressed
             if self.indexer is None:  # HCA: every visible compressed entry
-                extra_indices, extra_lens = rm.hca_indices, rm.hca_lens
-            else:  # CSA: the indexer's top-k (SPEC §6)
+                extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
+            else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                 idx = self.indexer
                 ops.compress_insert(
                     idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state,
@@ -195,18 +211,20 @@ class Attention(nn.Module):
                     self.cos_sin, lc.indexer_keys, rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim,
                     out_format=step.cache.indexer_key_format, profile=self.profile, eps=cfg.rms_norm_eps,
                     backend=be["compress_insert"])
-                iq = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim)
-                qi, wi = ops.indexer_q(iq, idx.weights_proj(x), md.positions, self.cos_sin, profile=self.profile,
-                                       backend=be["indexer_q"])
-                topk_local = ops.indexer_topk(qi, wi, md.positions, md.token_request, lc.indexer_keys,
-                                              rm.compressed.block_table, topk=cfg.index_topk,
-                                              key_format=step.cache.indexer_key_format, ratio=4,
-                                              backend=be["indexer_topk"])
-                extra_indices, extra_lens = topk_local_to_global(topk_local, md.token_request,
-                                                                 rm.compressed.block_table, rm.compressed.block_size)
-
-        o, _lse = ops.sparse_attention(q, lc.swa, md.swa_indices, md.swa_lens, extra_cache, extra_indices,
-                                       extra_lens, self.attn_sink, kv_format=kv_format, softmax_scale=D ** -0.5,
-                                       profile=self.profile, backend=be["sparse_attention"])
-        return ops.output_projection(o, md.positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
+                if hi > lo:
+                    iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
+                    qi, wi = ops.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin,
+                                           profile=self.profile, backend=be["indexer_q"])
+                    topk_local = ops.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys,
+                                                  rm.compressed.block_table, topk=cfg.index_topk,
+                                                  key_format=step.cache.indexer_key_format, ratio=4,
+                                                  backend=be["indexer_topk"])
+                    extra_indices, extra_lens = topk_local_to_global(
+                        topk_local, token_request, rm.compressed.block_table, rm.compressed.block_size)
+        if hi == lo:  # an empty shard: nothing to attend (the caches are updated above)
+            return x.new_zeros(0, cfg.hidden_size)
+        o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
+                                       extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
+                                       softmax_scale=D ** -0.5, profile=self.profile, backend=be["sparse_attention"])
+        return ops.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
                                      fp8_activations=self.fp8_output, backend=be["output_projection"])

@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dsv4 import ops
 from dsv4.cache import Step
 from dsv4.layer import Attention
-from dsv4.metadata import topk_local_to_global
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 from torch import nn
@@ -196,74 +194,12 @@ def init_parallel_groups(tp_size: int = 1, cp_size: int = 1) -> ParallelGroups:
 
 
 def forward_token_rows(attn: Attention, x: torch.Tensor, step: Step, rows: slice) -> torch.Tensor:
-    """``attn(x, step)[rows]``, computing attention only for ``rows`` (the DSA-CP split, SPEC §3).
+    """``attn(x, step)[rows]`` computing attention only for ``rows`` (the DSA-CP split, SPEC §3).
 
-    Cache updates (SPEC §3 steps 2-4: the SWA insert, the compressor and the indexer-key
-    compressor) run for ALL ``T`` tokens, so the caches end exactly as after ``attn(x, step)``;
-    the indexer scoring (§6.1-6.3), sparse attention (§7) and output projection (§8) are
-    per-token, and run on the rows only.
-
-    x: ``[T, hidden]`` (the layer's dtype); rows: a contiguous slice of ``range(T)``.
-    Returns ``[len(rows), hidden]`` of x's dtype (the layer's partial sum over its local heads
-    when ``attn`` is a TP shard).
-
-    This mirrors ``Attention.forward`` step by step (kept equal by a test at full rows).
+    The caches are updated for all tokens of the step (see ``Attention.forward``'s ``rows``).
+    Returns ``[len(rows), hidden]`` (the local heads' partial sum when ``attn`` is a TP shard).
     """
-    attn._check(x, step)
-    T = x.shape[0]
-    if not isinstance(rows, slice) or rows.step not in (None, 1):
-        raise DSV4ValueError.of("rows", "a contiguous slice", rows)
-    lo, hi, _ = rows.indices(T)
-    hi = max(lo, hi)
-    attn.reserve_positions(step.metadata.max_seq_len)
-    cfg, md, lc, be = attn.cfg, step.metadata, step.cache.layer(attn.layer_id), attn.backends
-    kv_format = step.cache.kv_format
-    H, D = cfg.num_attention_heads, cfg.head_dim
-    qr = attn.q_norm(attn.wq_a(x))
-    kv = attn.kv_norm(attn.wkv(x))
-    # The fused op normalises q and inserts kv for the same T tokens, so q is projected for all of
-    # them; only the rows' q is read below.
-    q = attn.wq_b(qr).view(T, H, D)
-    q = ops.qnorm_rope_insert(q, kv, md.positions, attn.cos_sin, lc.swa, md.swa_slot_mapping,
-                              kv_format=kv_format, eps=cfg.rms_norm_eps, backend=be["qnorm_rope_insert"])
-    positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
-
-    extra_cache = extra_indices = extra_lens = None
-    if attn.compressor is not None:
-        rm = md.ratios[attn.kind.ratio]
-        ops.compress_insert(
-            attn.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
-            rm.state_slot_mapping, attn.compressor.ape, attn.compressor.norm.weight, attn.cos_sin,
-            lc.compressed, rm.compressed_slot_mapping, ratio=attn.kind.ratio, head_dim=D,
-            out_format=kv_format, profile=attn.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
-        extra_cache = lc.compressed
-        if attn.indexer is None:  # HCA: every visible compressed entry, per token
-            extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
-        else:  # CSA: keys for every token; top-k scoring for the rows only (SPEC §6)
-            idx = attn.indexer
-            ops.compress_insert(
-                idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state,
-                rm.state.block_table, rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight,
-                attn.cos_sin, lc.indexer_keys, rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim,
-                out_format=step.cache.indexer_key_format, profile=attn.profile, eps=cfg.rms_norm_eps,
-                backend=be["compress_insert"])
-            if hi > lo:
-                iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
-                qi, wi = ops.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, attn.cos_sin,
-                                       profile=attn.profile, backend=be["indexer_q"])
-                topk_local = ops.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys,
-                                              rm.compressed.block_table, topk=cfg.index_topk,
-                                              key_format=step.cache.indexer_key_format, ratio=4,
-                                              backend=be["indexer_topk"])
-                extra_indices, extra_lens = topk_local_to_global(topk_local, token_request,
-                                                                 rm.compressed.block_table, rm.compressed.block_size)
-    if hi == lo:  # an empty shard: nothing to attend (the caches are updated above)
-        return x.new_zeros(0, cfg.hidden_size)
-    o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
-                                   extra_indices, extra_lens, attn.attn_sink, kv_format=kv_format,
-                                   softmax_scale=D ** -0.5, profile=attn.profile, backend=be["sparse_attention"])
-    return ops.output_projection(o, positions, attn.cos_sin, attn.wo_a.weight, attn.wo_b.weight,
-                                 fp8_activations=attn.fp8_output, backend=be["output_projection"])
+    return attn(x, step, rows=rows)
 
 
 class ParallelAttention(nn.Module):

@@ -17,6 +17,7 @@ unnormalised output) and ``_combine_kernel`` merges them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -137,11 +138,10 @@ def _sparse_attention_kernel(
         PROBS_BF16: tl.constexpr, REPEAT: tl.constexpr):
     """Grid (T, cdiv(H, BH), NUM_SPLITS). q [T,H,D] bf16; out [T,H,D] bf16; lse [T,H] fp32.
 
-    Transposed ("swap AB") tiles: scores are ``S^T = K q^T`` ``[BN, BH]`` and the accumulator is
-    ``O^T = K^T P^T`` ``[D, BH]``, so the MMA M dimension is the keys (64) and D (512) rather than
-    the heads. Both dots take their operands from shared memory (K once, q^T once, P^T per tile);
-    the warps split D for P@V and the heads for the scores, so no warp recomputes another's
-    scores, and heads < 64 still run on wgmma.
+    Per tile: ``S = q K^T`` ``[BH, BN]`` and ``O += P K`` with K the B operand of both dots (one
+    shared-memory tile, q in shared memory too, P in registers). With 8 warps Triton gives the
+    P@V accumulator ``[64, 512]`` to two warpgroups of 256 columns each and computes ``S`` in both
+    (its layout for chained dots), the price of keeping P in registers.
 
     ``REPEAT`` = 2 (fp32 probabilities through bf16 tensor cores, the vllm profile): every key
     appears twice in a tile, the first copy's probability is ``hi = bf16(p)`` and the second's
@@ -159,8 +159,8 @@ def _sparse_attention_kernel(
     head_ok = heads < num_heads
     cols = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    q_t = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + cols[:, None],
-                  mask=head_ok[None, :], other=0.0).to(DOT_DTYPE)  # q^T [D, BH]
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)
 
     swa_len = tl.minimum(tl.load(swa_lens + t), swa_width)
     n_swa = tl.cdiv(swa_len, KEYS)
@@ -177,7 +177,7 @@ def _sparse_attention_kernel(
 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([D, BH], tl.float32)  # O^T
+    acc = tl.zeros([BH, D], tl.float32)
     for tile in range(lo, hi):
         local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
             tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
@@ -188,23 +188,23 @@ def _sparse_attention_kernel(
                                         swa_nope_off, swa_rope_off, scale_off, swa_scale_stride, FP8,
                                         NOPE_CHUNKS, CHUNKS, CHUNK)
         k = _dequantize(raw, rope, word, FP8, HW_FP8, NOPE_CHUNKS, CHUNKS, CHUNK, DOT_DTYPE)  # [BN, D]
-        s = tl.dot(k, q_t) * scale_log2  # S^T [BN, BH], fp32 accumulation, log2 domain
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32 accumulation, log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        acc = acc * alpha[None, :]
+        p = tl.exp2(s - m_safe[:, None])
+        acc = acc * alpha[:, None]
         if REPEAT == 2:
-            first = (tl.arange(0, BN) % 2 == 0)[:, None]
-            l_i = l_i * alpha + tl.sum(tl.where(first, p, 0.0), 0)
+            first = (tl.arange(0, BN) % 2 == 0)[None, :]
+            l_i = l_i * alpha + tl.sum(tl.where(first, p, 0.0), 1)
             p_hi = round_bf16(p)
             p = tl.where(first, p_hi, p - p_hi)
         else:
-            l_i = l_i * alpha + tl.sum(p, 0)  # the denominator sums fp32 probabilities (SPEC §6.6)
+            l_i = l_i * alpha + tl.sum(p, 1)  # the denominator sums fp32 probabilities (SPEC §6.6)
             if PROBS_BF16:
                 p = round_bf16(p)  # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V (RNE)
-        acc = tl.dot(tl.trans(k), p.to(DOT_DTYPE), acc)  # O^T += K^T P^T
+        acc = tl.dot(p.to(DOT_DTYPE), k, acc)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -212,23 +212,22 @@ def _sparse_attention_kernel(
                 lse_ptr + t64 * num_heads)
     else:
         row = (t64 * num_heads + heads) * NUM_SPLITS + split  # [BH] partial row ids
-        tl.store(part_acc + row[None, :] * D + cols[:, None], acc, mask=head_ok[None, :])
+        tl.store(part_acc + row[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
         tl.store(part_ml + row * 2, m_i, mask=head_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=head_ok)
 
 
 @triton.jit
 def _finish(acc, m_i, l_i, sink_ptr, heads, head_ok, cols, out_row, stride_oh, lse_row):
-    """O^T ``acc`` [D, BH] -> out rows; SPEC §7: the sink joins the denominator, lse excludes it;
-    empty set -> out 0, lse +inf."""
+    """SPEC §7: the sink joins the denominator, lse excludes it; empty set -> out 0, lse +inf."""
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=float("-inf")) * 1.4426950408889634
     empty = l_i == 0.0
     m_safe = tl.where(empty, 0.0, m_i)
     top = tl.maximum(m_safe, sink)
     denominator = l_i * tl.exp2(m_safe - top) + tl.exp2(sink - top)
     factor = tl.where(empty, 0.0, tl.exp2(m_safe - top) / denominator)
-    out = acc * factor[None, :]
-    tl.store(out_row + heads[None, :] * stride_oh + cols[:, None], to_bf16(out), mask=head_ok[None, :])
+    out = acc * factor[:, None]
+    tl.store(out_row + heads[:, None] * stride_oh + cols[None, :], to_bf16(out), mask=head_ok[:, None])
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(lse_row + heads, lse, mask=head_ok)
 
@@ -252,9 +251,9 @@ def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, 
     cols = tl.arange(0, D)
     acc = tl.load(part_acc + row[:, None] * D + cols[None, :], mask=split_ok[:, None] & live[:, None], other=0.0)
     acc = tl.sum(acc * weight[:, None], 0)
-    # Reuse the single-split epilogue on a one-head block (O^T [D, 1]).
+    # Reuse the single-split epilogue on a one-head block.
     one = tl.arange(0, 1) + h
-    _finish(acc[:, None], tl.zeros([1], tl.float32) + m_max, tl.zeros([1], tl.float32) + l_i, sink_ptr,
+    _finish(acc[None, :], tl.zeros([1], tl.float32) + m_max, tl.zeros([1], tl.float32) + l_i, sink_ptr,
             one, one < num_heads, cols, out_ptr + t * stride_ot, stride_oh, lse_ptr + t * num_heads)
 
 
@@ -286,11 +285,12 @@ def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int
                    fp8_rows: bool = True) -> SparseTuning:
     """Heuristic launch shape for ``num_tokens`` queries of ``num_heads`` heads over ``key_width`` keys.
 
-    64-head blocks (the wgmma M; fewer heads: a 16/32 block on mma.sync, 4 warps); Triton's
-    pipeline with 5 stages, which double-buffers the gathered rows (fewer stages leave one buffer
-    and wait on each tile's loads right after issuing them); 64-key tiles for fp8 pages (215 KB of
-    shared memory on sm_90), 32 for bf16 rows, which go straight to shared memory (3 x 32 KB);
-    16-key tiles under the interpreter. Splits from ``choose_num_splits``.
+    64-head blocks (the wgmma M; fewer heads: a 16/32 block on mma.sync, 4 warps) and 64-key
+    tiles. fp8 pages: Triton's pipeline with 5 stages, the fewest that double-buffer the gathered
+    bytes (fewer leave one buffer and wait for each tile's loads right after issuing them); 215 KB
+    of shared memory on sm_90. bf16 rows go straight to the dot's shared-memory operand; 2 stages
+    timed best there (H200 sweep, docs/triton.md). 16-key tiles under the interpreter. Splits from
+    ``choose_num_splits``.
     """
     block_heads = max(16, min(64, next_pow2(num_heads)))
     if INTERPRET:
@@ -298,24 +298,25 @@ def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int
     elif block_heads < 64:
         block_keys, num_stages = 32, 3
     else:
-        block_keys, num_stages = (64, 5) if fp8_rows else (32, 5)
-    splits = choose_num_splits(num_tokens, triton.cdiv(num_heads, block_heads),
-                               triton.cdiv(key_width, block_keys), num_sms)
+        block_keys, num_stages = (64, 5) if fp8_rows else (64, 2)
+    splits = choose_num_splits(num_tokens, _cdiv(num_heads, block_heads), _cdiv(key_width, block_keys), num_sms)
     return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, num_stages, splits)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # host-side: triton.cdiv is a jit function, slow to call from Python
 
 
-def _hardware_e4m3(device: torch.device) -> bool:
+@cache
+def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
+    """(multiprocessors, hardware e4m3 cvt) of a device, looked up once (host overhead per call)."""
+    if device_type != "cuda":
+        return 4, False
+    props = torch.cuda.get_device_properties(index)
     # cvt e4m3x2 -> f16x2 exists on sm_89+; ROCm (FNUZ on gfx942), XPU and the interpreter decode in
     # integer arithmetic (exact everywhere, SPEC §9.1).
-    if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    hardware_e4m3 = not INTERPRET and torch.version.hip is None and (props.major, props.minor) >= (8, 9)
+    return props.multi_processor_count, hardware_e4m3
 
 
 def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, int]:
@@ -366,16 +367,17 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     has_extra = extra_cache is not None and extra_indices is not None
     swa_width = swa_indices.shape[1]
     ext_width = extra_indices.shape[1] if has_extra else 0
-    num_sms = _num_sms(q.device)
+    index = q.device.index if q.device.index is not None or q.device.type != "cuda" else torch.cuda.current_device()
+    num_sms, hardware_e4m3 = _device_facts(q.device.type, index)
     tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
     bh = block_heads or tuning.block_heads
     bn = block_keys or tuning.block_keys
-    head_blocks = triton.cdiv(num_heads, bh)
+    head_blocks = _cdiv(num_heads, bh)
     # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
     repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
     keys = bn // repeat
     splits = num_splits or choose_num_splits(num_tokens, head_blocks,
-                                             triton.cdiv(swa_width, keys) + triton.cdiv(ext_width, keys), num_sms)
+                                             _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
     swa = swa_layout
     ext = extra_layout if has_extra else swa_layout
     chunk, nope_chunks, chunks = _record_geometry(swa, ext)
@@ -401,7 +403,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
         ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext.kernel_args(),
         sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
         num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
-        HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and _hardware_e4m3(q.device),
+        HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and hardware_e4m3,
         NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
         BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
         PROBS_BF16=probs_bf16, REPEAT=repeat, **launch)
