@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from dsv4 import ops
+from dsv4.batch_invariant import linear
 from dsv4.cache import Step
 from dsv4.metadata import topk_local_to_global
 from dsv4.rope import rope_cos_sin
@@ -47,14 +47,21 @@ class RMSNorm(nn.Module):
         return (y * self.weight.to(compute)).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose float64 products are batch-invariant (dsv4.batch_invariant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 class Compressor(nn.Module):
     """Compressor parameters (SPEC §5): wkv, wgate [coff*d, hidden] fp32; ape [r, coff*d] fp32; norm [d]."""
 
     def __init__(self, hidden: int, head_dim: int, ratio: int, coff: int, eps: float):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
-        self.wkv = nn.Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
-        self.wgate = nn.Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
+        self.wkv = Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
+        self.wgate = Linear(hidden, coff * head_dim, bias=False, dtype=torch.float32)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, eps)
 
@@ -62,7 +69,7 @@ class Compressor(nn.Module):
         """``[T, 2*coff*d]`` in fp32 (float64 for the ideal): ``x @ [Wkv; Wgate]^T`` (SPEC §3 step 4)."""
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
         w = torch.cat([self.wkv.weight, self.wgate.weight], 0).to(compute)
-        return F.linear(x.to(compute), w)
+        return linear(x.to(compute), w)
 
 
 class Indexer(nn.Module):
@@ -72,8 +79,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.bfloat16)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.bfloat16)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, 2, cfg.rms_norm_eps)
 
 
@@ -107,13 +114,13 @@ class Attention(nn.Module):
             raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)
         eps = cfg.rms_norm_eps
         bf16 = torch.bfloat16
-        self.wq_a = nn.Linear(hidden, cfg.q_lora_rank, bias=False, dtype=bf16)
+        self.wq_a = Linear(hidden, cfg.q_lora_rank, bias=False, dtype=bf16)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False, dtype=bf16)
-        self.wkv = nn.Linear(hidden, D, bias=False, dtype=bf16)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D, bias=False, dtype=bf16)
+        self.wkv = Linear(hidden, D, bias=False, dtype=bf16)
         self.kv_norm = RMSNorm(D, eps)
-        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False, dtype=bf16)
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False, dtype=bf16)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.compressor = (Compressor(hidden, D, self.kind.ratio, self.kind.coff, eps)
                            if self.kind.has_compressor else None)

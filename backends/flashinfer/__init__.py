@@ -48,7 +48,7 @@ class _FlashInferBackend(Backend):
         elif arch not in self._archs:
             hint = " (no FlashInfer DSV4 kernel for sm_90; FlashMLA serves it)" if arch.startswith("sm_9") else ""
             reasons.append(f"needs {self._arch_text}, found {arch}{hint}")
-        if self.flashinfer_mla is None:
+        if not reasons and self.flashinfer_mla is None:  # importing flashinfer costs seconds: only where it can run
             _, reason = attention._import_result()
             if reason:
                 reasons.append(reason)

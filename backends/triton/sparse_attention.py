@@ -3,16 +3,22 @@
 One kernel serves decode and prefill. A program owns one token, a block of (up to 64) heads and
 one split of that token's key list. The list is the SWA indices followed by the extra
 (compressed) indices, walked as ONE loop of ``BN``-key tiles (the source is picked per tile with
-scalar selects), so Triton's software pipeline prefetches across the SWA -> extra boundary.
+scalar selects), so Triton's software pipeline runs across the SWA -> extra boundary.
 
 Per tile: the ``BN`` latent rows are gathered in place as ``[BN, D // CHUNK, CHUNK]`` (one
-64-wide chunk per UE8M0 scale, SPEC §9.1), so a scale is loaded once per (row, chunk) instead of
-once per element; e4m3 bytes are converted by the hardware (``cvt`` e4m3x2, exact) on sm_89+ CUDA
-and by the exact integer decode elsewhere (interpreter, ROCm FNUZ parts, XPU); the rope chunk is
-one ``[BN, 1, CHUNK]`` bf16 load broadcast over the chunk axis. The dequantized bf16 tile is the
-B operand of both dots (scores and P@V), so it is built once. With one split the program
-finishes the softmax itself (sink, lse); with several, each writes a partial (max, sum,
-unnormalised output) and ``_combine_kernel`` merges them.
+64-wide chunk per UE8M0 scale, SPEC §9.1): a row's 8 scale bytes are one 8-byte load, e4m3
+bytes are converted by the hardware (``cvt`` e4m3x2, exact) on sm_89+ CUDA and by the exact
+integer decode elsewhere (interpreter, ROCm FNUZ parts, XPU), and the rope chunk is one
+``[BN, 1, CHUNK]`` bf16 load broadcast over the chunk axis. bf16 rows are one 2-D load that
+Triton copies straight into the dot's shared-memory operand. The K tile is the B operand of
+both dots (scores and P@V), so it is dequantized once. With one split the program finishes the
+softmax itself (sink, lse); with several, each writes a partial (max, sum, unnormalised output)
+and ``_combine_kernel`` merges them.
+
+H200 (docs/triton.md): one 64-head program per SM (a [64, 512] fp32 accumulator fills the
+registers, 215 KB of shared memory double-buffers the fp8 gathers); the kernel is latency-bound
+(about a third of issue slots used, stalls on barriers and fixed-latency waits), not
+bandwidth-bound.
 """
 from __future__ import annotations
 

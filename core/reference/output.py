@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from dsv4.batch_invariant import grouped_linear, linear
 from dsv4.reference._common import (
     OUTPUT_FP8_AMAX_FLOOR,
     OUTPUT_FP8_BLOCK,
@@ -67,6 +68,7 @@ def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
 
         grouped = simulate_fp8_blocks(grouped, OUTPUT_FP8_BLOCK, amax_floor=OUTPUT_FP8_AMAX_FLOOR)
     wo_a_grouped = wo_a.to(compute).view(groups, o_lora, group_width)
-    z = bf16_round(torch.einsum("tgk,grk->tgr", grouped, wo_a_grouped), ideal)
-    out = bf16_round(z.flatten(1) @ wo_b.to(compute).t(), ideal)
+    # the ideal's products are batch-invariant (dsv4.batch_invariant): same bits for any chunking
+    z = bf16_round(grouped_linear(grouped, wo_a_grouped), ideal)
+    out = bf16_round(linear(z.flatten(1), wo_b.to(compute)), ideal)
     return out.to(o.dtype)
