@@ -1,6 +1,5 @@
 """dsv4.batch_invariant: float64 products give every row the same bits whatever the batch."""
 import torch
-
 from dsv4.batch_invariant import grouped_linear, linear
 
 
