@@ -5,6 +5,7 @@ so a format change there reaches the kernels without edits.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +127,20 @@ def latent_layout(kv_format: str, cache: torch.Tensor, argument: str = "swa_cach
 
 
 def _infer_block_size(fmt, page_stride: int, argument: str) -> int:
-    # The codec owns the inversion page_stride -> block size (SPEC §9.1 padding rules).
+    try:
+        return _block_size_for_stride(fmt.name, page_stride)
+    except CacheLayoutError as exc:
+        raise CacheLayoutError.of(argument, f"a {fmt.name} page stride", page_stride) from exc
+
+
+@functools.lru_cache(maxsize=256)
+def _block_size_for_stride(format_name: str, page_stride: int) -> int:
+    # The codec owns the inversion page_stride -> block size (SPEC §9.1 padding rules); cached because
+    # every op call asks it (host overhead per call, measured on the H200).
     from dsv4.codecs import get_codec
 
     probe = torch.empty((1, page_stride), dtype=torch.uint8, device="meta")
-    try:
-        return get_codec(fmt.name).block_size_of(probe)
-    except CacheLayoutError as exc:
-        raise CacheLayoutError.of(argument, f"a {fmt.name} page stride", page_stride) from exc
+    return get_codec(format_name).block_size_of(probe)
 
 
 def key_layout(key_format: str, cache: torch.Tensor, argument: str = "key_cache") -> KeyLayout:
