@@ -67,10 +67,15 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
 # ideal that leaves about 0.1% of elements near zero outside abs 1e-3 (measured up to 5e-3 with
 # unit-variance values) while the cosine bound holds with margin (2e-6 < 5e-6). The cosine and
 # element bounds stay SPEC §13's; only the required pass fraction drops to 99.5%.
+# The `vllm` profile shares it: vLLM's own kernel (FlashMLA) rounds probabilities to bf16 too, and on
+# the H200 FlashMLA's outputs sit at 99.94-99.999% of elements inside SPEC §13's element bound with
+# cosine difference 2e-6 (tools/check_flashmla.py).
+_BF16_PROBABILITIES = Tolerance(
+    abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6, min_pass_fraction=0.995,
+    source="SPEC §13 sparse attention out; bf16 probabilities before P@V (SPEC §6.6), 99.5% of elements")
 PROFILE_TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
-    ("sparse_attention", "out", "deepseek"): Tolerance(
-        abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6, min_pass_fraction=0.995,
-        source="SPEC §13 sparse attention out; deepseek profile: bf16 probabilities (SPEC §6.6), 99.5% of elements"),
+    ("sparse_attention", "out", "deepseek"): _BF16_PROBABILITIES,
+    ("sparse_attention", "out", "vllm"): _BF16_PROBABILITIES,
 }
 
 

@@ -148,7 +148,7 @@ class PagedKVCache:
         from dsv4.specs.geometry import cache_geometry
 
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>"
         self.profile = get_profile(profile).name
         prof = get_profile(profile)
         self.kv_format = kv_format or prof.kv_format

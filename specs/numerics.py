@@ -43,10 +43,13 @@ _PROFILES: dict[str, NumericsProfile] = {
         attention_probs_bf16=True, returns_lse=True, output_fp8=False,
     ),
     # SPEC §6.6 vllm row: no Hadamard, FP8 per-128 pow2 scale (132 B keys); o quantized to FP8 (§8).
+    # Attention: SPEC's row is silent; vLLM 0.33 runs FlashMLA on sm_90/sm_100, whose P@V takes bf16
+    # probabilities (measured on the H200: FlashMLA sits at the deepseek profile's distance from the
+    # float64 ideal), so the vllm profile rounds probabilities to bf16 as well.
     "vllm": NumericsProfile(
         name="vllm", kv_format="fp8_ds_mla", indexer_key_format="indexer_fp8",
         indexer_hadamard=False, indexer_quant="fp8", compressor_rounding="vllm",
-        attention_probs_bf16=False, returns_lse=True, output_fp8=True,
+        attention_probs_bf16=True, returns_lse=True, output_fp8=True,
     ),
     # SPEC §6.6 ascend row: Hadamard, int8 + fp16 per-token scale; bf16 rows; no LSE.
     "ascend": NumericsProfile(

@@ -68,27 +68,30 @@ def _case(device: torch.device, num_tokens: int, heads: int, extra_block: int | 
                 swa_indices=swa_indices, swa_lens=swa_lens, sink=sink, **extra)
 
 
-def _compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> dict[str, Any]:
-    out, ref_out = out.double(), ref_out.double()
-    err = (out - ref_out).abs()
-    ok_out = (err <= 1e-3) | (err <= 2 / 128 * ref_out.abs())
-    cos_diff = 1 - 2 * (out * ref_out).sum() / ((out * out).sum() + (ref_out * ref_out).sum()).clamp_min(1e-30)
-    lse, ref_lse = lse.double(), ref_lse.double()
-    inf_match = bool(torch.equal(torch.isinf(lse), torch.isinf(ref_lse)))
-    finite = torch.isfinite(ref_lse) & torch.isfinite(lse)
-    lse_err = (lse[finite] - ref_lse[finite]).abs()
-    ok_lse = (lse_err <= 1e-6) | (lse_err <= 8 / 65536 * ref_lse[finite].abs())
-    result = {
-        "out_max_abs_err": float(err.max()) if err.numel() else 0.0,
-        "out_pass_fraction": float(ok_out.double().mean()) if ok_out.numel() else 1.0,
-        "cos_diff": float(cos_diff),
-        "lse_max_abs_err": float(lse_err.max()) if lse_err.numel() else 0.0,
-        "lse_pass_fraction": float(ok_lse.double().mean()) if ok_lse.numel() else 1.0,
-        "lse_inf_positions_match": inf_match,
-    }
-    result["passed"] = bool(result["out_pass_fraction"] == 1.0 and result["cos_diff"] < 5e-6
-                            and result["lse_pass_fraction"] == 1.0 and inf_match)
-    return result
+def _compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
+             profile: str = "deepseek") -> dict[str, Any]:
+    """The conformance suite's own rule (tolerances live once, in dsv4.conformance.tolerances)."""
+    from dsv4.conformance.metrics import compare_tensor
+    from dsv4.conformance.tolerances import tolerance_for
+
+    o = compare_tensor(out, ref_out, tolerance_for("sparse_attention", "out", profile))
+    m = compare_tensor(lse, ref_lse, tolerance_for("sparse_attention", "lse", profile))
+    return {"out_max_abs_err": o.get("max_abs_err"), "out_pass_fraction": o.get("pass_fraction"),
+            "cos_diff": o.get("cos_diff"), "lse_max_abs_err": m.get("max_abs_err"),
+            "lse_pass_fraction": m.get("pass_fraction"), "reason": "; ".join(r for r in (o.get("reason"),
+                                                                                            m.get("reason")) if r),
+            "passed": bool(o["passed"] and m["passed"])}
+
+
+def _graph_us(fn: Any, iters: int = 200) -> float:
+    """Median-free mean of CUDA-graph replays of ``fn`` (no host work in the timed region)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time_us(graph.replay, iters=iters)
 
 
 def _time_us(fn: Any, iters: int = 200, warmup: int = 20) -> float:
@@ -132,10 +135,15 @@ def _timing_row(backend: FlashMLABackend, flash_mla: Any, label: str, case: dict
     raw_us = _time_us(raw)
     ours_us = _time_us(ours)
     raw_best = min(raw_us, _time_us(raw))          # interleaved, to expose drift
-    tflops = 2 * batch * heads * (128 + extra_width) * (512 + 512) / (ours_us * 1e-6) / 1e12
+    # Decode runs under CUDA graphs in serving engines: time the replays too (no host work).
+    raw_graph, ours_graph = _graph_us(raw), _graph_us(ours)
+    raw_graph = min(raw_graph, _graph_us(raw))
+    tflops = 2 * batch * heads * (128 + extra_width) * (512 + 512) / (ours_graph * 1e-6) / 1e12
     return {"check": "timing", "shape": label, "raw_us": raw_best, "ours_us": ours_us,
-            "overhead_pct": 100.0 * (ours_us - raw_best) / raw_best, "ours_tflops": tflops,
-            "passed": ours_us <= 1.05 * raw_best}
+            "overhead_pct": 100.0 * (ours_us - raw_best) / raw_best,
+            "raw_graph_us": raw_graph, "ours_graph_us": ours_graph,
+            "graph_overhead_pct": 100.0 * (ours_graph - raw_graph) / raw_graph, "ours_tflops": tflops,
+            "passed": ours_graph <= 1.05 * raw_graph}
 
 
 def check_flashmla(device: str | torch.device = "cuda", *, flash_mla: Any = None, timing: bool = True,

@@ -44,13 +44,14 @@ Rounding points per profile (``bf16(.)`` = round to bf16; SPEC section in bracke
    the ``indexer_fp8`` codec applies FP8 with one power-of-two scale per 128-vector.
 4. Indexer q: RoPE in fp32, ``bf16``; no Hadamard; FP8 one pow2 scale per 128-vector.
 5. Scores in fp32 (vLLM's FP8 kernels accumulate in fp32 too).
-6. Sparse attention: fp32 throughout, probabilities not rounded, output ``bf16``.
+6. Sparse attention: as ``deepseek``: probabilities rounded to bf16 before P@V (vLLM runs FlashMLA,
+   whose P@V takes bf16 probabilities; SPEC §6.6 is silent here), fp32 accumulation, output ``bf16``.
 7. Output: as ``deepseek``; with ``fp8_activations=True`` (vLLM's default) ``o`` is FP8-simulated
    per (token, group) block of 128 (amax floor 1e-10) after the inverse RoPE.
 
 ``ascend``: compressor rounding as ``deepseek``; q norm as ``vllm`` (fp32); Hadamard on; int8 with
 an fp16 scale per vector for indexer q (dequantized, then rounded to bf16, which is lossy) and
-keys (the ``indexer_ascend_int8`` codec); attention as ``vllm`` (probabilities not rounded).
+keys (the ``indexer_ascend_int8`` codec); attention in fp32 (probabilities not rounded).
 
 Measured on ``shared/goldens/deepseek_tiny_b1`` (bf16 serving, profile ``deepseek``, row cosine
 against the official outputs): SWA-only min 0.99997; HCA min 0.99997; CSA 97.4% of rows >= 0.999,

@@ -23,11 +23,11 @@ def cos_sin_table(num_positions: int, theta: float = 10000.0) -> torch.Tensor:
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, op: str, output: str,
                  abs_tol: float = 1e-3, rel_tol: float = 2 / 128, cos_diff: float | None = None,
-                 min_pass_fraction: float = 1.0, suite: bool = True) -> None:
+                 min_pass_fraction: float = 1.0, suite: bool = True, profile: str | None = None) -> None:
     """Element rule |a-e| <= abs or <= rel*|e|; tolerances from the suite when it has them (and suite)."""
     if suite and tolerance_for is not None:
         try:
-            tol = tolerance_for(op, output)
+            tol = tolerance_for(op, output, profile)
             abs_tol, rel_tol, cos_diff, min_pass_fraction = (tol.abs_tol, tol.rel_tol, tol.cos_diff,
                                                              tol.min_pass_fraction)
         except KeyError:
