@@ -13,7 +13,8 @@ input give the float64 ideal of the same function (caches still hold their forma
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from dsv4 import ops
@@ -30,6 +31,16 @@ __all__ = ["Attention", "Compressor", "Indexer", "RMSNorm"]
 
 OP_NAMES = ("qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk", "sparse_attention",
             "output_projection")
+
+
+@contextmanager
+def _on(streams: tuple | None, which: int) -> Iterator[None]:
+    """Run the block on side stream ``which`` when streams are in use, else on the current stream."""
+    if streams is None:
+        yield
+    else:
+        with torch.cuda.stream(streams[which]):
+            yield
 
 
 class RMSNorm(nn.Module):
@@ -93,12 +104,21 @@ class Attention(nn.Module):
         backends: a backend name for every op, or ``{op_name: backend}``; unnamed ops use
             ``"auto"`` (``DSV4_BACKEND``, then the platform's priority list).
         fp8_output: FP8 activations before ``wo_a`` (SPEC §8); default: the profile's choice.
+        side_streams: run the compressor and the indexer on CUDA side streams beside the q path
+            (SPEC §3: independent until attention); default: on for CUDA inputs.
+        check_finite: raise on NaN/Inf in ``x`` (SPEC §12). It costs a device sync, so the default
+            checks on CPU only; on GPUs a non-finite token can only reach its own request's pages
+            (every op is per token and per request), and ``check_finite=True`` turns the check on.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, profile: str = "deepseek",
-                 backends: str | Mapping[str, str] | None = None, fp8_output: bool | None = None):
+                 backends: str | Mapping[str, str] | None = None, fp8_output: bool | None = None,
+                 side_streams: bool | None = None, check_finite: bool | None = None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
+        self.side_streams = side_streams
+        self.check_finite = check_finite
+        self._streams: dict[torch.device, tuple] = {}
         self.kind = cfg.layer_kind(layer_id)
         self.profile = get_profile(profile).name
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
@@ -165,9 +185,41 @@ class Attention(nn.Module):
             raise DSV4ValueError.of("x", f"device {step.cache.device} (the cache's)", x.device)
         step.cache.check_profile(self.profile)
         step.cache.layer(self.layer_id)
-        if not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf; never poison other requests' pages
+        check = x.device.type == "cpu" if self.check_finite is None else self.check_finite
+        if check and not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf (a sync on GPUs)
             bad = (~torch.isfinite(x)).any(-1).nonzero().flatten().tolist()
             raise DSV4ValueError.of("x", "finite values", f"NaN/Inf in token rows {bad[:8]}")
+
+    def _side_streams(self, x: torch.Tensor) -> tuple | None:
+        """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""
+        enabled = x.is_cuda if self.side_streams is None else (self.side_streams and x.is_cuda)
+        if not enabled or self.compressor is None:
+            return None
+        if x.device not in self._streams:
+            self._streams[x.device] = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+        return self._streams[x.device]
+
+    def _indexer(self, x: torch.Tensor, qr: torch.Tensor, step: Step, lo: int,
+                 hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6)."""
+        cfg, md, lc, be, idx = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends, self.indexer
+        rm = md.ratios[self.kind.ratio]
+        key_format = step.cache.indexer_key_format
+        ops.compress_insert(
+            idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state, rm.state.block_table,
+            rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight, self.cos_sin, lc.indexer_keys,
+            rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim, out_format=key_format,
+            profile=self.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
+        if hi == lo:
+            return None, None
+        positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
+        iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
+        qi, wi = ops.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin, profile=self.profile,
+                               backend=be["indexer_q"])
+        topk_local = ops.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
+                                      topk=cfg.index_topk, key_format=key_format, ratio=4,
+                                      backend=be["indexer_topk"])
+        return topk_local_to_global(topk_local, token_request, rm.compressed.block_table, rm.compressed.block_size)
 
     def forward(self, x: torch.Tensor, step: Step, rows: slice | None = None) -> torch.Tensor:
         """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype.
@@ -192,42 +244,42 @@ class Attention(nn.Module):
         H, D = cfg.num_attention_heads, cfg.head_dim
         qr = self.q_norm(self.wq_a(x))
         kv = self.kv_norm(self.wkv(x))
-        # The fused op norms q and inserts kv for the same T tokens; only the rows' q is read below.
+        positions = md.positions[lo:hi]
+
+        extra_cache = extra_indices = extra_lens = None
+        streams = self._side_streams(x)
+        main = torch.cuda.current_stream(x.device) if streams else None
+        if self.compressor is not None:
+            rm = md.ratios[self.kind.ratio]
+            extra_cache = lc.compressed
+            if streams:  # SPEC §3: compressor and indexer are independent of the q path until attention
+                for side in streams:
+                    side.wait_stream(main)
+            with _on(streams, 0):
+                ops.compress_insert(
+                    self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
+                    rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
+                    lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
+                    out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
+                    backend=be["compress_insert"])
+            if self.indexer is None:  # HCA: every visible compressed entry
+                extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
+            else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
+                with _on(streams, 1):
+                    extra_indices, extra_lens = self._indexer(x, qr, step, lo, hi)
+
+        # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
+        # for all T tokens; only the rows' q is read below.
         q = self.wq_b(qr).view(T, H, D)
         q = ops.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
                                   kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
                                   backend=be["qnorm_rope_insert"])
-        positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
-
-        extra_cache = extra_indices = extra_lens = None
-        if self.compressor is not None:
-            rm = md.ratios[self.kind.ratio]
-            ops.compress_insert(
-                self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
-                rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
-                lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
-                out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
-            extra_cache = lc.compressed
-            if self.indexer is None:  # HCA: every visible compressed entry
-                extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
-            else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
-                idx = self.indexer
-                ops.compress_insert(
-                    idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state,
-                    rm.state.block_table, rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight,
-                    self.cos_sin, lc.indexer_keys, rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim,
-                    out_format=step.cache.indexer_key_format, profile=self.profile, eps=cfg.rms_norm_eps,
-                    backend=be["compress_insert"])
-                if hi > lo:
-                    iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
-                    qi, wi = ops.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin,
-                                           profile=self.profile, backend=be["indexer_q"])
-                    topk_local = ops.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys,
-                                                  rm.compressed.block_table, topk=cfg.index_topk,
-                                                  key_format=step.cache.indexer_key_format, ratio=4,
-                                                  backend=be["indexer_topk"])
-                    extra_indices, extra_lens = topk_local_to_global(
-                        topk_local, token_request, rm.compressed.block_table, rm.compressed.block_size)
+        if streams:
+            for side in streams:
+                main.wait_stream(side)
+            for t in (extra_indices, extra_lens):
+                if t is not None:
+                    t.record_stream(main)
         if hi == lo:  # an empty shard: nothing to attend (the caches are updated above)
             return x.new_zeros(0, cfg.hidden_size)
         o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,

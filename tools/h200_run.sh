@@ -26,3 +26,4 @@ step python3 tools/check_flashmla.py --json "$OUT/check_flashmla.json"
 if [ "${1:-}" != "quick" ]; then
   step python3 tools/gpu_check.py
 fi
+step python3 tools/bench_layer.py --batch 64 --context 4096 --json "$OUT/bench_layer.json"
