@@ -101,7 +101,8 @@ def bench(batch: int, context: int, backends: str, preset: str = "v4-flash", dev
                     graph_ms, graph_error = float("nan"), f"{type(exc).__name__}: {exc}"[:120]
             rows.append({"layer": f"{attn.kind.name} {layer_id}", "backends": backends, "side_streams": streams,
                          "batch": batch, "context": context, "eager_ms": eager, "graph_ms": graph_ms,
-                         "graph_error": graph_error, "equal_to_single_stream": same, "used": {k: sorted(v) for k, v in used.items()}})
+                         "graph_error": graph_error, "equal_to_single_stream": same,
+                         "used": {k: sorted(v) for k, v in used.items()}})
     return rows
 
 
@@ -119,11 +120,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"{'layer':<8} {'backends':<8} {'streams':<8} {'eager ms':>9} {'graph ms':>9}  attention  note")
+    print(f"{'layer':<8} {'backends':<8} {'streams':<8} {'eager ms':>9} {'graph ms':>9} {'same':<5} attention  note")
     for r in rows:
         print(f"{r['layer']:<8} {r['backends']:<8} {r['side_streams']!s:<8} {r['eager_ms']:>9.3f} "
-              f"{r['graph_ms']:>9.3f}  {','.join(r['used'].get('sparse_attention', []))}  {r['graph_error']}")
-
+              f"{r['graph_ms']:>9.3f} {r['equal_to_single_stream']!s:<5} "
+              f"{','.join(r['used'].get('sparse_attention', []))}  {r['graph_error']}")
 
 if __name__ == "__main__":
     main()

@@ -2,11 +2,14 @@
 
 ``indexer_q``: one program per (token, block of heads). ``indexer_topk``: a Triton kernel writes
 ``logit[t, j] = sum_h w[t,h] relu(q[t,h] . k[j])`` for every request-local entry j (keys read in
-place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)//r``); the top-k
-then runs as ``torch.topk`` over those logits (first version, see docs/triton.md). Rows whose
-visible count is <= topk skip scoring (SPEC §6.3 short-context shortcut).
+place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)//r``): one program
+per (token, range of entries) holds q once and streams key tiles through the tensor cores. The
+top-k then runs as ``torch.topk`` over those logits (see docs/triton.md). Rows whose visible count
+is <= topk skip scoring (SPEC §6.3 short-context shortcut).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -72,63 +75,93 @@ def _indexer_q_kernel(q_ptr, stride_qt, stride_qh, weights, stride_wt, positions
 
 
 @triton.jit
-def _load_keys(u8_ptr, f32_ptr, slots, valid, cols, block_size, page_stride, value_bytes, scale_offset,
-               scale_bytes, MXFP4: tl.constexpr, QBLOCK: tl.constexpr):
-    """Dequantized indexer keys [BN, 128] fp32 at ``slots`` (SPEC §9.3); invalid rows read 0."""
+def _key_tile(u8_ptr, f32_ptr, slots, valid, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
+              BN: tl.constexpr, D: tl.constexpr, MXFP4: tl.constexpr, QBLOCK: tl.constexpr,
+              HW_E4M3: tl.constexpr):
+    """Keys [BN, D] fp32 at ``slots`` (SPEC §9.3), read in place; invalid rows read 0.
+
+    mxfp4 keys come back multiplied by 2**-14 (exact; the caller scales the score back): each
+    nibble s.e1e0.m is placed in an fp16 as s.000e1e0.m000000000, whose value is the e2m1 value
+    times 2**-14 for normal AND subnormal codes (e2m1 0.5 = fp16 subnormal), so the decode is
+    4 integer ops + one exact cvt per element instead of a table walk.
+    """
     safe = tl.where(valid, slots, 0).to(tl.int64)
     page_base = (safe // block_size) * page_stride
     in_page = safe % block_size
-    value_base = (page_base + in_page * value_bytes)[:, None]
-    scale_base = (page_base + scale_offset + in_page * scale_bytes)[:, None]
     if MXFP4:
-        byte = tl.load(u8_ptr + value_base + cols[None, :] // 2, mask=valid[:, None], other=0).to(tl.int32)
-        code = (byte >> ((cols[None, :] & 1) * 4)) & 15
-        magnitude_code = code & 7
-        exponent = magnitude_code >> 1
-        normal = pow2_from_exponent(exponent - 1) * (1.0 + (magnitude_code & 1).to(tl.float32) * 0.5)
-        magnitude = tl.where(magnitude_code < 2, magnitude_code.to(tl.float32) * 0.5, normal)
-        value = tl.where((code & 8) != 0, -magnitude, magnitude)
-        scale_byte = tl.load(u8_ptr + scale_base + cols[None, :] // QBLOCK, mask=valid[:, None], other=127)
-        return value * (scale_byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        NB: tl.constexpr = D // QBLOCK
+        HB: tl.constexpr = QBLOCK // 2  # packed bytes per scale block
+        value_base = page_base + in_page * value_bytes
+        blk = tl.arange(0, NB)
+        byte_idx = blk[None, :, None] * HB + tl.arange(0, HB)[None, None, :]
+        raw = tl.load(u8_ptr + value_base[:, None, None] + byte_idx, mask=valid[:, None, None], other=0)
+        b = raw.to(tl.int32)
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale_byte = tl.load(u8_ptr + (page_base + scale_offset + in_page * scale_bytes)[:, None] + blk[None, :],
+                             mask=valid[:, None], other=127)
+        factor = (scale_byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # UE8M0 2**(s-127)
+        # Low nibble first (SPEC §9.3): element 2i is the low nibble of byte i.
+        return tl.reshape(tl.join(lo * factor, hi * factor), (BN, D))
     else:
-        byte = tl.load(u8_ptr + value_base + cols[None, :], mask=valid[:, None], other=0)
+        cols = tl.arange(0, D)
+        raw = tl.load(u8_ptr + (page_base + in_page * value_bytes)[:, None] + cols[None, :], mask=valid[:, None],
+                      other=0)
+        if HW_E4M3:
+            value = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # hardware cvt, exact
+        else:
+            value = decode_e4m3(raw)
         scale = tl.load(f32_ptr + (page_base + scale_offset + in_page * scale_bytes) // 4, mask=valid, other=0.0)
-        return decode_e4m3(byte) * scale[:, None]
+        return value * scale[:, None]
 
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
                            u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
-                           logits, max_entries, ratio, topk, num_heads,
+                           logits, max_entries, chunk, ratio, topk, num_heads,
                            D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
-                           QBLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One program per (token, range of ``chunk`` entries): q^T [D, HP] loaded once, then a loop of
+    BN-key tiles, each ``S^T = K q^T`` on the tensor cores with relu and the weighted head sum fused;
+    keys are read once from their pages (the bytes floor), logits written once."""
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, max_entries)
     visible = (tl.load(positions + t) + 1) // ratio  # SPEC §6.3: entries j < (p+1)//r
-    in_range = j < max_entries
-    valid = (j < visible) & in_range
     out_row = logits + t * max_entries
+    offs = tl.arange(0, BN)
     if visible <= topk:
         # Short-context shortcut: every visible entry is selected, no scoring needed.
-        tl.store(out_row + j, tl.where(valid, 0.0, float("-inf")), mask=in_range)
-    elif tl.program_id(1) * BN >= visible:
-        tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=in_range)
+        for start in range(lo, hi, BN):
+            j = start + offs
+            tl.store(out_row + j, tl.where(j < visible, 0.0, float("-inf")), mask=j < hi)
     else:
+        scored_end = tl.minimum(hi, visible)
         request = tl.load(token_request + t).to(tl.int64)
-        page = tl.load(block_table + request * stride_bt + j // block_size, mask=valid, other=-1)
-        valid = valid & (page >= 0)
-        slots = page.to(tl.int64) * block_size + j % block_size
-        cols = tl.arange(0, D)
-        keys = _load_keys(u8_ptr, f32_ptr, slots, valid, cols, block_size, page_stride, value_bytes,
-                          scale_offset, scale_bytes, MXFP4, QBLOCK).to(DOT_DTYPE)
         heads = tl.arange(0, HP)
         head_ok = heads < num_heads
-        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], mask=head_ok[:, None],
-                    other=0.0).to(tl.float32).to(DOT_DTYPE)
+        cols = tl.arange(0, D)
+        q_t = tl.load(q_ptr + t * stride_qt + heads[None, :] * stride_qh + cols[:, None], mask=head_ok[None, :],
+                      other=0.0).to(tl.float32).to(DOT_DTYPE)  # [D, HP], loaded once per program
         w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
-        dots = tl.dot(q, tl.trans(keys))  # [HP, BN], fp32 accumulation
-        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
-        tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=in_range)
+        score_scale = 16384.0 if MXFP4 else 1.0  # undoes the 2**-14 of the fp16 nibble decode (exact)
+        for start in range(lo, scored_end, BN):
+            j = start + offs
+            valid = j < scored_end
+            page = tl.load(block_table + request * stride_bt + j // block_size, mask=valid, other=-1)
+            valid = valid & (page >= 0)
+            slots = page.to(tl.int64) * block_size + j % block_size
+            keys = _key_tile(u8_ptr, f32_ptr, slots, valid, block_size, page_stride, value_bytes, scale_offset,
+                             scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
+            dots = tl.dot(keys.to(DOT_DTYPE), q_t)  # [BN, HP], fp32 accumulation
+            score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+            tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=j < hi)
+        # Entries past the visible count (this range's tail): -inf.
+        tail = tl.maximum(scored_end, lo)
+        tail = lo + ((tail - lo) // BN) * BN  # tile-aligned; re-writes a partial tile's -inf, same values
+        for start in range(tail, hi, BN):
+            j = start + offs
+            tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=(j < hi) & (j >= scored_end))
 
 
 def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -152,24 +185,47 @@ def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
     return out, w
 
 
+@functools.cache
+def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
+    """(multiprocessors, hardware e4m3 cvt) of a device, looked up once (host overhead per call)."""
+    if device_type != "cuda" or INTERPRET:
+        return 4, False
+    props = torch.cuda.get_device_properties(index)
+    # cvt e4m3x2 exists on sm_89+ CUDA; ROCm (FNUZ e4m3 on gfx942) uses the exact integer decode.
+    return props.multi_processor_count, torch.version.hip is None and (props.major, props.minor) >= (8, 9)
+
+
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
-                   topk: int, ratio: int, block_entries: int | None = None) -> torch.Tensor:
-    """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows)."""
+                   topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
+
+    q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
+    ``block_entries`` (key tile), ``num_splits`` (entry ranges per token), ``num_warps`` and
+    ``num_stages`` are tuning knobs for benchmarks; defaults fill the device's multiprocessors.
+    """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
     logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_entries == 0:
         return logits
+    sms, hw_e4m3 = _device_facts(q.device.type, q.device.index)
     bn = block_entries or (32 if INTERPRET else 64)
+    tiles = -(-max_entries // bn)
+    # Enough programs for ~4 per multiprocessor, but at least 4 tiles each (q is loaded once per program).
+    splits = num_splits or max(1, min(-(-4 * sms // num_tokens), tiles // 4))
+    chunk = -(-tiles // splits) * bn
+    splits = -(-max_entries // chunk)
     q = q.contiguous()
     w = w.contiguous()
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
-    _indexer_logits_kernel[(num_tokens, triton.cdiv(max_entries, bn))](
+    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": num_stages or 3}
+    _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache, f32, *layout.kernel_args(), logits, max_entries, ratio, topk, heads,
+        key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads,
         D=dim, HP=max(16, triton.next_power_of_2(heads)), BN=bn, MXFP4=layout.format_name == "indexer_mxfp4",
-        QBLOCK=layout.quant_block, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16)
+        QBLOCK=layout.quant_block, HW_E4M3=hw_e4m3, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
 
