@@ -56,3 +56,53 @@ def test_indexer_topk_tie_aware(key_format: str) -> None:
         kth = scores.sort(descending=True).values[topk - 1]
         slack = 1e-3 * (scores.max() - scores.min())
         assert torch.all(scores[valid.long()] >= kth - slack)
+
+
+@pytest.mark.parametrize("key_format,block_entries,num_splits", [
+    ("indexer_mxfp4", 16, 3),  # several programs per token, ranges ending mid-page
+    ("indexer_mxfp4", 32, 1),
+    ("indexer_fp8", 16, 2),
+])
+def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_splits: int) -> None:
+    """Every logit of the tiled kernel vs float64 reference scores (SPEC §6.3): visible entries scored,
+    -inf past (p+1)//4 and on unmapped pages, 0 / -inf on short-context rows."""
+    from dsv4.backends.triton.indexer import indexer_logits
+    from dsv4.backends.triton.layout import key_layout
+
+    block, pages, heads, topk = 16, 5, 64, 8
+    codec = get_codec(key_format)
+    table = torch.randperm(12)[: 2 * pages].view(2, pages).to(torch.int32)
+    table[1, 4] = -1  # an unmapped page inside request 1's visible range
+    cache = codec.allocate(12, block)
+    mapped = table.clamp_min(0).long()
+    slots = (mapped[:, :, None] * block + torch.arange(block)).flatten()
+    # Row magnitudes spread over ~2**-10 .. 2**10 so the UE8M0 / fp32 scales differ per block and row.
+    keys = torch.randn(slots.numel(), 128) * torch.exp2(torch.randint(-10, 11, (slots.numel(), 4)).float()
+                                                        ).repeat_interleave(32, 1)
+    codec.write_rows(cache, slots, keys)
+    positions = torch.tensor([319, 250, 131, 20, 319, 290], dtype=torch.int64)  # visible 80, 62, 33, 5, 80, 72
+    token_request = torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)
+    q = (torch.randn(6, heads, 128) * 2).to(torch.bfloat16)
+    w = torch.randn(6, heads)
+    layout = key_layout(key_format, cache)
+    logits = indexer_logits(q, w, positions, token_request, cache, layout, table, topk=topk, ratio=4,
+                            block_entries=block_entries, num_splits=num_splits)
+    assert logits.shape == (6, pages * block)
+    for t in range(6):
+        visible = int(positions[t] + 1) // 4
+        r = int(token_request[t])
+        expected = torch.full((pages * block,), float("-inf"), dtype=torch.float64)
+        if visible <= topk:
+            expected[:visible] = 0.0
+        else:
+            e = torch.arange(visible)
+            page = table[r].long()[e // block]
+            ok = page >= 0
+            entry_slots = page[ok] * block + e[ok] % block
+            expected[e[ok]] = indexer_scores(q[t:t + 1].double(), w[t:t + 1].double(),
+                                             codec.read_rows(cache, entry_slots).double())[0]
+        got = logits[t].double()
+        finite = torch.isfinite(expected)
+        assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], expected[~finite])
+        scale = expected[finite].abs().max().clamp_min(1e-30)
+        assert (got[finite] - expected[finite]).abs().max() <= 1e-5 * scale, f"token {t}"
