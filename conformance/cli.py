@@ -15,9 +15,9 @@ every subcommand exit 1.
 
 ``plan`` arithmetic (SPEC §9), which ``--json`` shows in full: a layer kind's bytes per token is
 the bytes of one cache row divided by the raw tokens it covers, page padding included. With the
-vLLM geometry and the ``deepseek`` profile: an HCA layer stores one 584 B ``fp8_ds_mla`` row per
-128 tokens (4.5625 B/token of payload); a CSA layer stores one 584 B row plus one 68 B
-``indexer_mxfp4`` key per 4 tokens (163 B/token) plus compressor state; SWA layers hold only
+vLLM geometry and the ``deepseek`` profile: an HCA layer stores one ``fp8_ds_mla`` token record per
+128 tokens; a CSA layer stores one such record plus one ``indexer_mxfp4`` key per 4 tokens plus
+compressor state (docs/memory.md works the numbers by hand); SWA layers hold only
 the 128-token window, so their per-token cost tends to 0 and ``bytes`` is a constant. The total
 for a request of N tokens is the sum over groups of pages x page bytes x layers of the group.
 """

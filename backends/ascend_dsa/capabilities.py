@@ -1,7 +1,7 @@
 """What the AscendDSA backend can run, as data (SPEC §11; research: vendor_backends.md §1).
 
 vllm-ascend's ``_C_ascend.npu_sparse_attn_sharedkv`` (A2/A3: 910B / 910_93, bf16 rows) and
-``npu_kv_quant_sparse_attn_sharedkv`` (A5: 950, 640 B fp8 records): 64 query heads (A5: 64 or
+``npu_kv_quant_sparse_attn_sharedkv`` (A5: 950, fp8 token records): 64 query heads (A5: 64 or
 128), compressed top-k 512 (A5: 512 or 1024), the sink required, no LSE, a tiling-metadata op
 per step, numerics profile ``ascend`` (Hadamard on in the indexer).
 """

@@ -9,7 +9,7 @@ of the compressed pool; ``sparse_topk_lens`` counts all 128 SWA columns; the SWA
 actually attended are bounded by ``seq_lens`` (``clamp(seq_len - (q_len - 1 - q_off), 0, 128)``,
 flashinfer 0.7.2.post1 docstring). We run every token as its own request of length 1, so
 ``seq_lens[t]`` is simply the number of SWA entries of token t, packed left.
-SM12x (``sparse``) reads the fp8_ds_mla pages in place (``[nb, B, 1, 584]`` NHD view) with
+SM12x (``sparse``) reads the fp8_ds_mla pages in place (``[nb, B, 1, token_bytes]`` NHD view) with
 separate SWA / extra tables and lengths, like FlashMLA.
 """
 from __future__ import annotations

@@ -156,7 +156,7 @@ def flashmla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch
     padded = layout.padded_head_count(num_heads)
     q_kernel = layout.pad_heads(q, padded).unsqueeze(1)                       # [T, 1, Hp, 512]
     sink_kernel = layout.pad_sink(sink, padded)                                # [Hp], -inf padded
-    k_cache = layout.kernel_cache_view(swa_cache)                              # [nb, B, 1, 584]
+    k_cache = layout.kernel_cache_view(swa_cache)                              # [nb, B, 1, token_bytes]
     indices = layout.pad_index_width(swa_indices, layout.DECODE_TOPK_ALIGNMENT).unsqueeze(1)
     extra_view = extra_idx = None
     if extra_cache is not None:

@@ -97,7 +97,7 @@ def cache_block_size(cache: torch.Tensor, format_name: str = "fp8_ds_mla") -> in
     """Tokens per page of a ``uint8 [num_blocks, page_stride]`` byte cache (SPEC §9.1).
 
     ``page_stride = round_up(B * token_bytes, alignment)`` is less than ``(B + 1) * token_bytes``
-    whenever the alignment is at most one token (576 < 584 for fp8_ds_mla), so
+    whenever the alignment is at most one token record (true for fp8_ds_mla), so
     ``page_stride // token_bytes`` recovers B; the result is checked against the format.
     """
     fmt = _kv_format(format_name)

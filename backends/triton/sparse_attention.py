@@ -279,7 +279,7 @@ def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms
 
     A 64-head program holds a ``[64, 512]`` fp32 accumulator, so one program runs per SM: a second
     wave only adds a combine pass. ``round(num_sms / programs)`` keeps b=128 h=64 at one split
-    (128 programs on 132 SMs) and spreads small batches over the SMs.
+    (128 programs on the H200's SMs) and spreads small batches over the SMs.
     """
     programs = num_tokens * head_blocks
     if max_tiles <= 1 or programs * 4 >= 3 * num_sms:

@@ -43,10 +43,11 @@ class _LatentByteCodec(ByteCodec):
 
 
 class Fp8DsMlaCodec(_LatentByteCodec):
-    """SPEC §9.1 page: ``[B x 576 data][B x 8 scale rows][tail padding]``; storage uint8 ``[nb, stride]``.
+    """SPEC §9.1 page: ``[B x data_bytes][B x scale_row_bytes][tail padding]``; storage uint8 ``[nb, stride]``.
 
-    A token's data is 448 e4m3 nope bytes then 64 little-endian bf16 rope dims; its scale row is
-    7 UE8M0 bytes then one pad byte, written 0. The page tail past ``B * 584`` is never touched.
+    A token's data is the e4m3 nope bytes then the little-endian bf16 rope dims; its scale row is one
+    UE8M0 byte per nope block of 64 then one pad byte, written 0. The page tail past ``B * token_bytes``
+    is never touched. (Sizes: ``dsv4.specs.formats.get_format("fp8_ds_mla")``.)
     """
 
     format: Fp8DsMlaFormat
@@ -72,7 +73,8 @@ class Fp8DsMlaCodec(_LatentByteCodec):
 
 
 class AscendA5Codec(_LatentByteCodec):
-    """SPEC §9.2 A5 records: ``B x [64 bf16 rope | 448 e4m3 | 7 UE8M0 | pad]``, 640 B each (pad written 0)."""
+    """SPEC §9.2 A5 records: ``B x [bf16 rope | e4m3 nope | UE8M0 scales | pad]`` of ``record_bytes`` each
+    (pad written 0; sizes in ``dsv4.specs.formats.get_format("ascend_a5")``)."""
 
     format: AscendA5Format
     sections = (("records", get_format("ascend_a5").record_bytes),)
@@ -112,7 +114,7 @@ def _check_fields(fields: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def a5_to_fp8_ds_mla(a5_cache: Tensor, block_size: int | None = None, page_stride: int | None = None) -> Tensor:
-    """Ascend A5 pages uint8 ``[nb, B*640]`` -> fp8_ds_mla pages uint8 ``[nb, page_stride]``, losslessly.
+    """Ascend A5 pages uint8 ``[nb, B*record_bytes]`` -> fp8_ds_mla pages uint8 ``[nb, page_stride]``, losslessly.
 
     Every nope, rope and scale byte moves unchanged; pad bytes become 0.
     """
@@ -122,7 +124,7 @@ def a5_to_fp8_ds_mla(a5_cache: Tensor, block_size: int | None = None, page_strid
 
 
 def fp8_ds_mla_to_a5(fp8_cache: Tensor, block_size: int | None = None, page_stride: int | None = None) -> Tensor:
-    """fp8_ds_mla pages uint8 ``[nb, stride]`` -> Ascend A5 pages uint8 ``[nb, B*640]``, losslessly."""
+    """fp8_ds_mla pages uint8 ``[nb, stride]`` -> Ascend A5 pages uint8 ``[nb, B*record_bytes]``, losslessly."""
     a5, fp8 = AscendA5Codec(), Fp8DsMlaCodec()
     block = fp8.block_size_of(fp8_cache) if block_size is None else block_size
     return a5.pack_page(fp8.unpack_page(fp8_cache, block), block, page_stride)
