@@ -12,6 +12,7 @@ workspace and the indices rewritten as workspace rows, compressed first, then SW
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,10 +88,20 @@ def pad_index_width(indices: torch.Tensor, alignment: int) -> torch.Tensor:
     return out
 
 
+@functools.cache
 def _kv_format(name: str) -> Any:
     from dsv4.specs.formats import get_format
 
     return get_format(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_size_of_stride(format_name: str, page_stride: int) -> int:
+    fmt = _kv_format(format_name)
+    block_size = page_stride // fmt.token_bytes
+    if block_size < 1 or fmt.page_stride(block_size) != page_stride:
+        raise CacheLayoutError.of("cache.shape[1]", f"a {format_name} page stride", page_stride)
+    return block_size
 
 
 def cache_block_size(cache: torch.Tensor, format_name: str = "fp8_ds_mla") -> int:
@@ -100,14 +111,11 @@ def cache_block_size(cache: torch.Tensor, format_name: str = "fp8_ds_mla") -> in
     whenever the alignment is at most one token record (true for fp8_ds_mla), so
     ``page_stride // token_bytes`` recovers B; the result is checked against the format.
     """
-    fmt = _kv_format(format_name)
     if cache.dtype != torch.uint8 or cache.dim() != 2:
         raise CacheLayoutError.of("cache", f"uint8 [num_blocks, page_stride] ({format_name})",
                                   f"{cache.dtype} {tuple(cache.shape)}")
     page_stride = cache.shape[1]
-    block_size = page_stride // fmt.token_bytes
-    if block_size < 1 or fmt.page_stride(block_size) != page_stride:
-        raise CacheLayoutError.of("cache.shape[1]", f"a {format_name} page stride", page_stride)
+    block_size = _block_size_of_stride(format_name, page_stride)  # cached: asked on every call
     if cache.stride(1) != 1 or cache.stride(0) != page_stride:
         raise CacheLayoutError.of("cache.stride()", f"({page_stride}, 1) (contiguous pages)", cache.stride())
     return block_size

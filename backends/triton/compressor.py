@@ -31,45 +31,55 @@ _OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
 
 
 @triton.jit
-def _save_state_kernel(kv_score, stride_t, positions, slot_mapping, state, ape, stride_ape,
-                       ratio, HALF: tl.constexpr, BW: tl.constexpr):
-    # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32.
+def _save_pool_kernel(kv_score, stride_t, positions, token_request, slot_mapping, out_slot_mapping, state, ape,
+                      stride_ape, block_table, stride_bt, state_block_size, pooled, ratio,
+                      D: tl.constexpr, COFF: tl.constexpr, WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr,
+                      BD: tl.constexpr):
+    """Program (t, chunk): save channels ``chunk*BD + [0, BD)`` of every segment of token t's state
+    row (SPEC §5.1), then, if t closes a block, pool those channels over the window (SPEC §5.2).
+
+    Window rows of tokens in this call are rebuilt from ``kv_score`` (+ ape, the same fp32 add as the
+    save, so bit-identical to the state row) instead of being read back from the state: no program
+    depends on another's writes (one launch, no ordering), and fresh rows come from L2, not HBM.
+    Only rows written by earlier calls are read from the state (SPEC §5.4).
+    """
+    HALF: tl.constexpr = COFF * D
     t = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    p = tl.load(positions + t)
     slot = tl.load(slot_mapping + t)
     if slot >= 0:
-        cols = chunk * BW + tl.arange(0, BW)
-        ok = cols < 2 * HALF
-        x = tl.load(kv_score + t * stride_t + cols, mask=ok, other=0.0)
-        phase = tl.load(positions + t) % ratio
-        bias = tl.load(ape + phase * stride_ape + (cols - HALF), mask=ok & (cols >= HALF), other=0.0)
-        tl.store(state + slot * (2 * HALF) + cols, x + bias, mask=ok)
-
-
-@triton.jit
-def _pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
-                 pooled, ratio, D: tl.constexpr, HALF: tl.constexpr, WINDOW: tl.constexpr,
-                 WINDOW_P2: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    p = tl.load(positions + t)
+        # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32.
+        phase = p % ratio
+        for seg in tl.static_range(2 * COFF):
+            x = tl.load(kv_score + t * stride_t + seg * D + cols)
+            if seg >= COFF:
+                x = x + tl.load(ape + phase * stride_ape + (seg - COFF) * D + cols)
+            tl.store(state + slot * (2 * HALF) + seg * D + cols, x)
     out_slot = tl.load(out_slot_mapping + t)
     if (out_slot >= 0) & ((p + 1) % ratio == 0):
         request = tl.load(token_request + t).to(tl.int64)
         j = tl.arange(0, WINDOW_P2)
-        in_window = j < WINDOW
         q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
-        live = in_window & (q >= 0)
+        live = (j < WINDOW) & (q >= 0)
         q_safe = tl.where(live, q, 0)
         page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
         rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
+        # Token u = t - (p - q) holds position q in this call when its position, request and state slot
+        # say so (the slot check makes the shortcut exactly equivalent to reading the state row).
+        u = t - (p - q)
+        maybe = live & (u >= 0)
+        u_safe = tl.where(maybe, u, t)
+        in_call = maybe & (tl.load(positions + u_safe, mask=maybe, other=-1) == q)
+        in_call = in_call & (tl.load(token_request + u_safe, mask=maybe, other=-1) == request)
+        in_call = in_call & (tl.load(slot_mapping + u_safe, mask=maybe, other=-1) == rows)
+        row_ptr = tl.where(in_call, kv_score + u_safe * stride_t, state + rows * (2 * HALF))
         # r = 4: the first r rows (previous block) use columns [0:d], the last r use [d:2d].
-        part = j // ratio
-        cols = chunk * BD + tl.arange(0, BD)
-        kv_col = part[:, None] * D + cols[None, :]
-        base = state + rows[:, None] * (2 * HALF)
-        kv = tl.load(base + kv_col, mask=live[:, None], other=0.0)
-        score = tl.load(base + HALF + kv_col, mask=live[:, None], other=float("-inf"))
+        kv_col = (j // ratio)[:, None] * D + cols[None, :]
+        kv = tl.load(row_ptr[:, None] + kv_col, mask=live[:, None], other=0.0)
+        score = tl.load(row_ptr[:, None] + HALF + kv_col, mask=live[:, None], other=float("-inf"))
+        bias = tl.load(ape + (q_safe % ratio)[:, None] * stride_ape + kv_col, mask=in_call[:, None], other=0.0)
+        score = tl.where(in_call[:, None], score + bias, score)
         top = tl.max(score, 0)
         e = tl.exp(score - top[None, :])
         weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
@@ -83,7 +93,7 @@ def _finish_kernel(positions, out_slot_mapping, pooled, norm_weight, cos_sin, st
                    scale_offset, scale_stride,
                    D: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, QBLOCK: tl.constexpr,
                    SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
-                   DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr):
+                   DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(positions + t)
     out_slot = tl.load(out_slot_mapping + t)
@@ -113,9 +123,18 @@ def _finish_kernel(positions, out_slot_mapping, pooled, norm_weight, cos_sin, st
         rotated = tl.where(odd, n * cos + n_partner * sin, n * cos - n_partner * sin)
         row = round_bf16(tl.where(in_rope, rotated, n))
         if HADAMARD:
-            # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round.
-            h = tl.load(hadamard + cols[:, None] * D + cols[None, :])
-            row = round_bf16(tl.sum(row[:, None] * h, 0) * hadamard_scale)
+            # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round. Sylvester H_D = H_A (x) H_B
+            # (D = A*B, index a*B + b), so H x = vec(H_A X H_B) with X = x as [A, B]: A*B*(A+B) products
+            # instead of D*D, and only H_B = H[:B, :B] and H_A[a, c] = H[a*B, c*B] are read.
+            HB: tl.constexpr = D // HAD_A
+            x = tl.reshape(row, (HAD_A, HB))
+            ia = tl.arange(0, HAD_A)
+            ib = tl.arange(0, HB)
+            h_b = tl.load(hadamard + ib[:, None] * D + ib[None, :])
+            h_a = tl.load(hadamard + (ia[:, None] * HB) * D + ia[None, :] * HB)
+            y = tl.sum(x[:, :, None] * h_b[None, :, :], 1)  # [A, B] = X @ H_B
+            z = tl.sum(h_a[:, :, None] * y[None, :, :], 1)  # [A, B] = H_A @ (X @ H_B)
+            row = round_bf16(tl.reshape(z, (D,)) * hadamard_scale)
         if OUT_KIND == 0:
             write_latent_row(u8_ptr, bf16_ptr, out_slot, row, cols, block_size, page_stride, token_stride,
                              nope_offset, rope_offset, scale_offset, scale_stride, FP8, D, NOPE, QBLOCK,
@@ -160,18 +179,19 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     if num_tokens == 0:
         return
     coff = 2 if ratio == 4 else 1
-    half = coff * head_dim
-    bw = 256 if INTERPRET else 1024
-    _save_state_kernel[(num_tokens, triton.cdiv(2 * half, bw))](
-        kv_score, kv_score.stride(0), positions, state_slot_mapping, state_cache, ape, ape.stride(0),
-        ratio, HALF=half, BW=bw)
-    pooled = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=kv_score.device)
     window = coff * ratio
-    bd = min(head_dim, 64 if window > 16 else 128)
-    _pool_kernel[(num_tokens, head_dim // bd)](
-        positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
-        state_cache.shape[1], pooled, ratio, D=head_dim, HALF=half, WINDOW=window, WINDOW_P2=next_pow2(window),
-        BD=bd)
+    window_p2 = next_pow2(window)
+    # Channel chunk: the whole row when the window is short (r = 4: one program saves the token's
+    # 2*coff*d floats and pools [8, d]); for r = 128 chunks keep the [128, BD] tiles in registers.
+    bd = head_dim if INTERPRET and window_p2 <= 8 else min(head_dim, max(16, 4096 // window_p2))
+    if not INTERPRET and window_p2 <= 8:
+        bd = head_dim
+    pooled = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=kv_score.device)
+    extra = {} if INTERPRET else {"num_warps": 8 if window_p2 * bd >= 4096 else 4}
+    _save_pool_kernel[(num_tokens, head_dim // bd)](
+        kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
+        ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], pooled, ratio,
+        D=head_dim, COFF=coff, WINDOW=window, WINDOW_P2=window_p2, BD=bd, **extra)
     if isinstance(out_layout, LatentLayout):
         kind, fp8 = _OUT_LATENT, out_layout.fp8_nope
         u8, bf16 = out_layout.byte_views(out_cache)
@@ -191,4 +211,4 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         hadamard if use_hadamard else pooled, head_dim ** -0.5, ratio, eps,
         u8, bf16, *args,
         D=head_dim, NOPE=nope, ROPE=rope_dim, QBLOCK=qblock, SCALE_ROW=scale_row, FP8=fp8, OUT_KIND=kind,
-        DEEPSEEK_ROUNDING=deepseek_rounding, HADAMARD=use_hadamard)
+        DEEPSEEK_ROUNDING=deepseek_rounding, HADAMARD=use_hadamard, HAD_A=1 << (head_dim.bit_length() - 1) // 2)
