@@ -40,6 +40,19 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
         raise DSV4ValueError.of(name, "unit stride along the last dim", t.stride())
 
 
+
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
+    """Sylvester Hadamard matrix (SPEC §6.5), built once per (size, device): it used to cost 0.4 ms a call."""
+    key = (dim, torch.device(device))
+    if key not in _HADAMARD:
+        from dsv4.hadamard import hadamard_matrix
+
+        _HADAMARD[key] = hadamard_matrix(dim, torch.float32, device)
+    return _HADAMARD[key]
+
 class TritonBackend(Backend):
     """Every op of ARCHITECTURE §3 in Triton (GPU, or CPU under ``TRITON_INTERPRET=1``)."""
 
@@ -89,7 +102,6 @@ class TritonBackend(Backend):
                         ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
         """kv_score [T, 2*coff*d] fp32 -> state rows and compressed cache rows (SPEC §5)."""
         from dsv4.backends.triton import compressor
-        from dsv4.hadamard import hadamard_matrix
 
         if ratio not in (4, 128):
             raise DSV4ValueError.of("ratio", "4 or 128", ratio)
@@ -130,7 +142,7 @@ class TritonBackend(Backend):
         numerics = get_profile(profile)
         hadamard = None
         if indexer_keys and numerics.indexer_hadamard:
-            hadamard = hadamard_matrix(head_dim, torch.float32, kv_score.device)
+            hadamard = _hadamard(head_dim, kv_score.device)
         compressor.compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
                                    state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
                                    out_slot_mapping, ratio=ratio, head_dim=head_dim,
@@ -140,7 +152,6 @@ class TritonBackend(Backend):
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
         """index_q [T,64,128] bf16, weights [T,64] -> (q [T,64,128] bf16, w [T,64] fp32) (SPEC §6.1-6.2)."""
         from dsv4.backends.triton import indexer
-        from dsv4.hadamard import hadamard_matrix
 
         _check_dtype("index_q", index_q, torch.bfloat16)
         self._device_check("index_q", index_q)
@@ -157,7 +168,7 @@ class TritonBackend(Backend):
         if numerics.indexer_quant not in ("fp4", "fp8"):
             raise DSV4ValueError.of("profile", "a profile with fp4 or fp8 indexer quantization (Triton)",
                                     numerics.name)
-        hadamard = hadamard_matrix(dim, torch.float32, index_q.device) if numerics.indexer_hadamard else None
+        hadamard = _hadamard(dim, index_q.device) if numerics.indexer_hadamard else None
         from dsv4.specs.formats import get_format
 
         return indexer.indexer_q(index_q, weights, positions, cos_sin, hadamard=hadamard,

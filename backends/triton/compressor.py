@@ -1,10 +1,12 @@
 """Fused compressor (SPEC §5): state save with APE, then per closing block gather + per-channel
 softmax + weighted RMSNorm + RoPE + (indexer: Hadamard) + quantize + insert.
 
-Three launches over all T tokens (prefill and decode tokens mixed): ``_save_state_kernel`` writes
-every token's state row first, so a block closing in this call sees rows written by it (SPEC §5.4);
-``_pool_kernel`` pools channel chunks of each closing block into an fp32 scratch; ``_finish_kernel``
-normalises, rotates, quantizes and writes the cache row. Tokens that close no block exit at once.
+Two launches over all T tokens (prefill and decode tokens mixed): ``_save_pool_kernel`` writes
+every token's state row and, for a closing token, pools channel chunks of its window into an fp32
+scratch, taking rows of tokens in this same call from ``kv_score`` (so no program waits on another's
+state write, SPEC §5.4) and older rows from the state; ``_finish_kernel`` normalises, rotates,
+(Hadamard, in Kronecker form) quantizes and writes the cache row. Tokens that close no block skip
+the pooling and the finish at once.
 """
 from __future__ import annotations
 
@@ -31,25 +33,55 @@ _OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
 
 
 @triton.jit
+def _order_check_kernel(positions, token_request, slot_mapping, out_slot_mapping, ratio, num_tokens, result,
+                        BLOCK: tl.constexpr):
+    """result[0] = min over t of the first token whose pair (t-1, t) is neither (same request, next
+    position) nor (request id increases); result[1] = min over active tokens (saving a state row or
+    closing a block) of T-1-t. Both start at T (one fill)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < num_tokens
+    prev = tl.maximum(idx - 1, 0)
+    req = tl.load(token_request + idx, mask=ok, other=0)
+    req_prev = tl.load(token_request + prev, mask=ok, other=0)
+    pos = tl.load(positions + idx, mask=ok, other=0)
+    pos_prev = tl.load(positions + prev, mask=ok, other=0)
+    good = ((req == req_prev) & (pos == pos_prev + 1)) | (req > req_prev) | (idx == 0)
+    tl.atomic_min(result, tl.min(tl.where(ok & ~good, idx, num_tokens).to(tl.int64), 0))
+    slot = tl.load(slot_mapping + idx, mask=ok, other=-1)
+    out = tl.load(out_slot_mapping + idx, mask=ok, other=-1)
+    active = ok & ((slot >= 0) | ((out >= 0) & ((pos + 1) % ratio == 0)))
+    tl.atomic_min(result + 1, tl.min(tl.where(active, num_tokens - 1 - idx, num_tokens).to(tl.int64), 0))
+
+
+@triton.jit
+def _in_order(order, num_tokens):
+    """True when every active token precedes the first out-of-order pair (see _order_check_kernel):
+    then a request's tokens in this call are one run of consecutive positions, so the window row of
+    position q is token t - (p - q) or was written by an earlier call."""
+    return tl.load(order) > num_tokens - 1 - tl.load(order + 1)
+
+
+@triton.jit
 def _save_pool_kernel(kv_score, stride_t, positions, token_request, slot_mapping, out_slot_mapping, state, ape,
-                      stride_ape, block_table, stride_bt, state_block_size, pooled, ratio,
+                      stride_ape, block_table, stride_bt, state_block_size, pooled, ratio, order, num_tokens,
                       D: tl.constexpr, COFF: tl.constexpr, WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr,
-                      BD: tl.constexpr):
-    """Program (t, chunk): save channels ``chunk*BD + [0, BD)`` of every segment of token t's state
-    row (SPEC §5.1), then, if t closes a block, pool those channels over the window (SPEC §5.2).
+                      BD: tl.constexpr, POOL: tl.constexpr):
+    """Program t: save token t's state row (SPEC §5.1), then, if t closes a block, pool its window in
+    channel chunks of BD (SPEC §5.2) into ``pooled[t]``.
 
     Window rows of tokens in this call are rebuilt from ``kv_score`` (+ ape, the same fp32 add as the
     save, so bit-identical to the state row) instead of being read back from the state: no program
-    depends on another's writes (one launch, no ordering), and fresh rows come from L2, not HBM.
-    Only rows written by earlier calls are read from the state (SPEC §5.4).
+    depends on another's writes (one launch), and those rows come from L2, not HBM. Only rows
+    written by earlier calls are read from the state (SPEC §5.4). ``POOL`` = False (benchmarks
+    only) times the save alone.
     """
     HALF: tl.constexpr = COFF * D
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
     p = tl.load(positions + t)
     slot = tl.load(slot_mapping + t)
     if slot >= 0:
-        # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32.
+        # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32; whole segments, 16-byte accesses.
+        cols = tl.arange(0, D)
         phase = p % ratio
         for seg in tl.static_range(2 * COFF):
             x = tl.load(kv_score + t * stride_t + seg * D + cols)
@@ -57,7 +89,7 @@ def _save_pool_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                 x = x + tl.load(ape + phase * stride_ape + (seg - COFF) * D + cols)
             tl.store(state + slot * (2 * HALF) + seg * D + cols, x)
     out_slot = tl.load(out_slot_mapping + t)
-    if (out_slot >= 0) & ((p + 1) % ratio == 0):
+    if POOL & (out_slot >= 0) & ((p + 1) % ratio == 0) & _in_order(order, num_tokens):
         request = tl.load(token_request + t).to(tl.int64)
         j = tl.arange(0, WINDOW_P2)
         q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
@@ -73,17 +105,53 @@ def _save_pool_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         in_call = maybe & (tl.load(positions + u_safe, mask=maybe, other=-1) == q)
         in_call = in_call & (tl.load(token_request + u_safe, mask=maybe, other=-1) == request)
         in_call = in_call & (tl.load(slot_mapping + u_safe, mask=maybe, other=-1) == rows)
-        row_ptr = tl.where(in_call, kv_score + u_safe * stride_t, state + rows * (2 * HALF))
-        # r = 4: the first r rows (previous block) use columns [0:d], the last r use [d:2d].
-        kv_col = (j // ratio)[:, None] * D + cols[None, :]
-        kv = tl.load(row_ptr[:, None] + kv_col, mask=live[:, None], other=0.0)
-        score = tl.load(row_ptr[:, None] + HALF + kv_col, mask=live[:, None], other=float("-inf"))
-        bias = tl.load(ape + (q_safe % ratio)[:, None] * stride_ape + kv_col, mask=in_call[:, None], other=0.0)
-        score = tl.where(in_call[:, None], score + bias, score)
-        top = tl.max(score, 0)
-        e = tl.exp(score - top[None, :])
-        weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
-        tl.store(pooled + t * D + cols, tl.sum(weight * kv, 0))
+        from_state = live & ~in_call
+        # Separate masked loads (not one select of pointers) keep the 16-byte vector accesses.
+        in_base = (u_safe * stride_t)[:, None]
+        state_base = (rows * (2 * HALF))[:, None]
+        ape_base = ((q_safe % ratio) * stride_ape)[:, None]
+        part = (j // ratio)[:, None] * D  # r = 4: previous block columns [0:d], current block [d:2d]
+        for c in range(0, D, BD):
+            kv_col = part + c + tl.arange(0, BD)[None, :]
+            kv_in = tl.load(kv_score + in_base + kv_col, mask=in_call[:, None], other=0.0)
+            kv_st = tl.load(state + state_base + kv_col, mask=from_state[:, None], other=0.0)
+            kv = tl.where(in_call[:, None], kv_in, kv_st)
+            sc_in = tl.load(kv_score + in_base + HALF + kv_col, mask=in_call[:, None], other=0.0)
+            sc_in = sc_in + tl.load(ape + ape_base + kv_col, mask=in_call[:, None], other=0.0)
+            sc_st = tl.load(state + state_base + HALF + kv_col, mask=from_state[:, None], other=float("-inf"))
+            score = tl.where(in_call[:, None], sc_in, sc_st)
+            top = tl.max(score, 0)
+            e = tl.exp(score - top[None, :])
+            weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
+            tl.store(pooled + t * D + c + tl.arange(0, BD), tl.sum(weight * kv, 0))
+
+
+@triton.jit
+def _pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
+                 pooled, ratio, order, num_tokens, D: tl.constexpr, HALF: tl.constexpr, WINDOW: tl.constexpr,
+                 WINDOW_P2: tl.constexpr, BD: tl.constexpr):
+    """Fallback pooling for batches out of order (a later launch, so every state row of this call
+    is written): the window read from the state (SPEC §5.2). Exits at once for ordered batches."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(positions + t)
+    out_slot = tl.load(out_slot_mapping + t)
+    if (out_slot >= 0) & ((p + 1) % ratio == 0) & (_in_order(order, num_tokens) == 0):
+        request = tl.load(token_request + t).to(tl.int64)
+        j = tl.arange(0, WINDOW_P2)
+        q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
+        live = (j < WINDOW) & (q >= 0)
+        q_safe = tl.where(live, q, 0)
+        page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
+        base = state + (page.to(tl.int64) * state_block_size + q_safe % state_block_size)[:, None] * (2 * HALF)
+        part = (j // ratio)[:, None] * D  # r = 4: previous block columns [0:d], current block [d:2d]
+        for c in range(0, D, BD):
+            kv_col = part + c + tl.arange(0, BD)[None, :]
+            kv = tl.load(base + kv_col, mask=live[:, None], other=0.0)
+            score = tl.load(base + HALF + kv_col, mask=live[:, None], other=float("-inf"))
+            top = tl.max(score, 0)
+            e = tl.exp(score - top[None, :])
+            weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
+            tl.store(pooled + t * D + c + tl.arange(0, BD), tl.sum(weight * kv, 0))
 
 
 @triton.jit
@@ -173,25 +241,39 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                     cos_sin: torch.Tensor, out_cache: torch.Tensor, out_layout: LatentLayout | KeyLayout,
                     out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, deepseek_rounding: bool,
-                    hadamard: torch.Tensor | None, rope_dim: int, eps: float) -> None:
-    """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2."""
+                    hadamard: torch.Tensor | None, rope_dim: int, eps: float, _pool: bool = True,
+                    _finish: bool = True, _pool_block: int | None = None, _num_warps: int | None = None) -> None:
+    """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2.
+
+    ``_pool`` / ``_finish`` = False (benchmarks only: docs/triton.md's time split) skip the pooling of
+    the first launch / the fallback pool and finish launches; ``_pool_block`` / ``_num_warps`` tune
+    the first launch.
+    """
     num_tokens = kv_score.shape[0]
     if num_tokens == 0:
         return
     coff = 2 if ratio == 4 else 1
     window = coff * ratio
     window_p2 = next_pow2(window)
-    # Channel chunk: the whole row when the window is short (r = 4: one program saves the token's
-    # 2*coff*d floats and pools [8, d]); for r = 128 chunks keep the [128, BD] tiles in registers.
-    bd = head_dim if INTERPRET and window_p2 <= 8 else min(head_dim, max(16, 4096 // window_p2))
-    if not INTERPRET and window_p2 <= 8:
-        bd = head_dim
+    # Pool channel chunk: [window, BD] tiles of ~2K floats (five such tiles live in registers: the
+    # in-call and state candidates of kv and score, and the ape bias): r = 4 [8, 256], r = 128 [128, 16].
+    bd = _pool_block or min(head_dim, max(16, 2048 // window_p2))
+    extra = {} if INTERPRET else {"num_warps": _num_warps or 4}
     pooled = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=kv_score.device)
-    extra = {} if INTERPRET else {"num_warps": 8 if window_p2 * bd >= 4096 else 4}
-    _save_pool_kernel[(num_tokens, head_dim // bd)](
+    order = torch.full((2,), num_tokens, dtype=torch.int64, device=kv_score.device)
+    check_block = 1024
+    _order_check_kernel[(-(-num_tokens // check_block),)](
+        positions, token_request, state_slot_mapping, out_slot_mapping, ratio, num_tokens, order, BLOCK=check_block)
+    _save_pool_kernel[(num_tokens,)](
         kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
         ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], pooled, ratio,
-        D=head_dim, COFF=coff, WINDOW=window, WINDOW_P2=window_p2, BD=bd, **extra)
+        order, num_tokens, D=head_dim, COFF=coff, WINDOW=window, WINDOW_P2=window_p2, BD=bd, POOL=_pool, **extra)
+    if not _finish:
+        return
+    _pool_kernel[(num_tokens,)](
+        positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
+        state_cache.shape[1], pooled, ratio, order, num_tokens, D=head_dim, HALF=coff * head_dim, WINDOW=window,
+        WINDOW_P2=window_p2, BD=bd)
     if isinstance(out_layout, LatentLayout):
         kind, fp8 = _OUT_LATENT, out_layout.fp8_nope
         u8, bf16 = out_layout.byte_views(out_cache)

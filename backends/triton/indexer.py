@@ -75,19 +75,17 @@ def _indexer_q_kernel(q_ptr, stride_qt, stride_qh, weights, stride_wt, positions
 
 
 @triton.jit
-def _key_tile(u8_ptr, f32_ptr, slots, valid, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
+def _key_tile(u8_ptr, f32_ptr, page, in_page, valid, page_stride, value_bytes, scale_offset, scale_bytes,
               BN: tl.constexpr, D: tl.constexpr, MXFP4: tl.constexpr, QBLOCK: tl.constexpr,
               HW_E4M3: tl.constexpr):
-    """Keys [BN, D] fp32 at ``slots`` (SPEC §9.3), read in place; invalid rows read 0.
+    """Keys [BN, D] fp32 of rows ``in_page`` of pages ``page`` (SPEC §9.3), read in place; invalid rows read 0.
 
     mxfp4 keys come back multiplied by 2**-14 (exact; the caller scales the score back): each
     nibble s.e1e0.m is placed in an fp16 as s.000e1e0.m000000000, whose value is the e2m1 value
     times 2**-14 for normal AND subnormal codes (e2m1 0.5 = fp16 subnormal), so the decode is
     4 integer ops + one exact cvt per element instead of a table walk.
     """
-    safe = tl.where(valid, slots, 0).to(tl.int64)
-    page_base = (safe // block_size) * page_stride
-    in_page = safe % block_size
+    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
     if MXFP4:
         NB: tl.constexpr = D // QBLOCK
         HB: tl.constexpr = QBLOCK // 2  # packed bytes per scale block
@@ -116,18 +114,41 @@ def _key_tile(u8_ptr, f32_ptr, slots, valid, block_size, page_stride, value_byte
 
 
 @triton.jit
+def _mxfp4_halves(u8_ptr, page, in_page, valid, page_stride, value_bytes, scale_offset, scale_bytes,
+                  BN: tl.constexpr, D: tl.constexpr, QBLOCK: tl.constexpr):
+    """(even, odd) elements [BN, D/2] fp32 (times 2**-14, see _key_tile) of mxfp4 keys: the low and
+    high nibbles of each byte, no interleave (the caller dots them with q's even / odd columns)."""
+    NB: tl.constexpr = D // QBLOCK
+    HB: tl.constexpr = QBLOCK // 2
+    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
+    blk = tl.arange(0, NB)
+    byte_idx = blk[None, :, None] * HB + tl.arange(0, HB)[None, None, :]
+    raw = tl.load(u8_ptr + (page_base + in_page * value_bytes)[:, None, None] + byte_idx,
+                  mask=valid[:, None, None], other=0)
+    b = raw.to(tl.int32)
+    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale_byte = tl.load(u8_ptr + (page_base + scale_offset + in_page * scale_bytes)[:, None] + blk[None, :],
+                         mask=valid[:, None], other=127)
+    factor = (scale_byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    return tl.reshape(lo * factor, (BN, D // 2)), tl.reshape(hi * factor, (BN, D // 2))
+
+
+@triton.jit
 def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
                            u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
                            logits, max_entries, chunk, ratio, topk, num_heads,
                            D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
-                           QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One program per (token, range of ``chunk`` entries): q^T [D, HP] loaded once, then a loop of
-    BN-key tiles, each ``S^T = K q^T`` on the tensor cores with relu and the weighted head sum fused;
-    keys are read once from their pages (the bytes floor), logits written once."""
+                           QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, KEYS_AS_A: tl.constexpr,
+                           SPLIT_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key
+    tiles, each ``S^T = K q^T`` (KEYS_AS_A: the dequantized keys are the register operand) or
+    ``S = q K^T`` on the tensor cores with relu and the weighted head sum fused; keys are read once
+    from their pages (the bytes floor), logits written once."""
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * chunk
     hi = tl.minimum(lo + chunk, max_entries)
-    visible = (tl.load(positions + t) + 1) // ratio  # SPEC §6.3: entries j < (p+1)//r
+    visible = ((tl.load(positions + t) + 1) // ratio).to(tl.int32)  # SPEC §6.3: entries j < (p+1)//r
     out_row = logits + t * max_entries
     offs = tl.arange(0, BN)
     if visible <= topk:
@@ -141,8 +162,16 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
         heads = tl.arange(0, HP)
         head_ok = heads < num_heads
         cols = tl.arange(0, D)
-        q_t = tl.load(q_ptr + t * stride_qt + heads[None, :] * stride_qh + cols[:, None], mask=head_ok[None, :],
-                      other=0.0).to(tl.float32).to(DOT_DTYPE)  # [D, HP], loaded once per program
+        q_hd = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], mask=head_ok[:, None],
+                       other=0.0).to(tl.float32).to(DOT_DTYPE)  # [HP, D], loaded once per program
+        if KEYS_AS_A:
+            q_t = tl.trans(q_hd)
+        if SPLIT_DOT:
+            # mxfp4: q's even / odd columns [D/2, HP] against the low / high nibbles (no interleave).
+            half = tl.arange(0, D // 2)
+            q_base = q_ptr + t * stride_qt + heads[None, :] * stride_qh + 2 * half[:, None]
+            q_even = tl.load(q_base, mask=head_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            q_odd = tl.load(q_base + 1, mask=head_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
         w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
         score_scale = 16384.0 if MXFP4 else 1.0  # undoes the 2**-14 of the fp16 nibble decode (exact)
         for start in range(lo, scored_end, BN):
@@ -150,11 +179,22 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
             valid = j < scored_end
             page = tl.load(block_table + request * stride_bt + j // block_size, mask=valid, other=-1)
             valid = valid & (page >= 0)
-            slots = page.to(tl.int64) * block_size + j % block_size
-            keys = _key_tile(u8_ptr, f32_ptr, slots, valid, block_size, page_stride, value_bytes, scale_offset,
-                             scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
-            dots = tl.dot(keys.to(DOT_DTYPE), q_t)  # [BN, HP], fp32 accumulation
-            score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+            if SPLIT_DOT:
+                even, odd = _mxfp4_halves(u8_ptr, page, j % block_size, valid, page_stride, value_bytes,
+                                          scale_offset, scale_bytes, BN, D, QBLOCK)
+                dots = tl.dot(even.to(DOT_DTYPE), q_even)
+                dots = tl.dot(odd.to(DOT_DTYPE), q_odd, dots)  # [BN, HP], fp32 accumulation
+                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+            elif KEYS_AS_A:
+                keys = _key_tile(u8_ptr, f32_ptr, page, j % block_size, valid, page_stride, value_bytes,
+                                 scale_offset, scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
+                dots = tl.dot(keys.to(DOT_DTYPE), q_t)  # [BN, HP], fp32 accumulation
+                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+            else:
+                keys = _key_tile(u8_ptr, f32_ptr, page, j % block_size, valid, page_stride, value_bytes,
+                                 scale_offset, scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
+                dots_t = tl.dot(q_hd, tl.trans(keys.to(DOT_DTYPE)))  # [HP, BN]
+                score = tl.sum(tl.maximum(dots_t, 0.0) * w[:, None], 0) * score_scale
             tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=j < hi)
         # Entries past the visible count (this range's tail): -inf.
         tail = tl.maximum(scored_end, lo)
@@ -198,12 +238,15 @@ def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   keys_as_a: bool = True, split_dot: bool = False) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
     ``block_entries`` (key tile), ``num_splits`` (entry ranges per token), ``num_warps`` and
-    ``num_stages`` are tuning knobs for benchmarks; defaults fill the device's multiprocessors.
+    ``num_stages``, ``keys_as_a`` (dot orientation), ``split_dot`` (mxfp4: even/odd dots instead of
+    an interleaved key tile) are tuning knobs for benchmarks; the default
+    grid fills the device's multiprocessors.
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
@@ -213,8 +256,9 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     sms, hw_e4m3 = _device_facts(q.device.type, q.device.index)
     bn = block_entries or (32 if INTERPRET else 64)
     tiles = -(-max_entries // bn)
-    # Enough programs for ~4 per multiprocessor, but at least 4 tiles each (q is loaded once per program).
-    splits = num_splits or max(1, min(-(-4 * sms // num_tokens), tiles // 4))
+    # ~16 programs per multiprocessor (H200 sweep: 4 -> 0.44 ms, 16 -> 0.38 ms at b=128, 128K), but at
+    # least 4 tiles each (q is loaded once per program).
+    splits = num_splits or max(1, min(-(-16 * sms // num_tokens), tiles // 4))
     chunk = -(-tiles // splits) * bn
     splits = -(-max_entries // chunk)
     q = q.contiguous()
@@ -225,7 +269,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
         key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads,
         D=dim, HP=max(16, triton.next_power_of_2(heads)), BN=bn, MXFP4=layout.format_name == "indexer_mxfp4",
-        QBLOCK=layout.quant_block, HW_E4M3=hw_e4m3, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
+        QBLOCK=layout.quant_block, HW_E4M3=hw_e4m3, KEYS_AS_A=keys_as_a,
+        SPLIT_DOT=split_dot and layout.format_name == "indexer_mxfp4", DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
 

@@ -69,3 +69,52 @@ def test_chunked_prefill_then_decode(ratio: int, head_dim: int, out_format: str,
     written = written[written >= 0]
     assert written.numel() >= (2 if ratio == 4 else 1)
     assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
+
+
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile,order", [
+    (4, 512, "fp8_ds_mla", "deepseek", "reversed"),
+    (4, 128, "indexer_mxfp4", "deepseek", "padding-inside"),
+    (128, 512, "bf16", "vllm", "reversed"),
+    (4, 128, "indexer_fp8", "vllm", "padding-tail"),
+])
+def test_token_order(ratio: int, head_dim: int, out_format: str, profile: str, order: str) -> None:
+    """One call whose tokens are not one ascending run per request (reversed, or a padding token inside
+    a run) must still pool rows written by this same call (fallback path); a padding token at the
+    tail keeps the fused path. Each compared with the reference on fresh random rows."""
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    state_block, out_block = 8, 4
+    length = 3 * ratio if ratio == 4 else ratio + 4
+    pages = length // state_block + 2
+    table = torch.randperm(2 * pages).view(2, pages).to(torch.int32)
+    out_pages = length // ratio // out_block + 1
+    out_table = torch.randperm(2 * out_pages).view(2, out_pages)
+    positions = torch.arange(length).repeat(2)
+    token_request = torch.arange(2, dtype=torch.int32).repeat_interleave(length)
+    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+        + positions % state_block
+    entry = positions // ratio
+    out_slots = torch.where((positions + 1) % ratio == 0,
+                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    perm = torch.arange(2 * length)
+    if order == "reversed":
+        perm = perm.flip(0)
+    pad = torch.tensor([0]), torch.tensor([0], dtype=torch.int32), torch.tensor([-1]), torch.tensor([-1])
+    cols = [positions[perm], token_request[perm], state_slots[perm], out_slots[perm]]
+    if order != "reversed":
+        at = 5 if order == "padding-inside" else 2 * length
+        cols = [torch.cat([c[:at], x, c[at:]]) for c, x in zip(cols, pad)]
+    positions, token_request, state_slots, out_slots = cols
+    kv_score = torch.randn(positions.numel(), width) * 2
+    common = (torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(512))
+    state = torch.randn(2 * pages, state_block, width)
+    out_cache = poisoned_like(get_codec(out_format).allocate(2 * out_pages, out_block))
+    ref_state, ref_out = state.clone(), out_cache.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
+    TritonBackend().compress_insert(kv_score, positions, token_request, state, table, state_slots, *common[:1],
+                                    common[1], common[2], out_cache, out_slots, **kw)
+    reference.compress_insert(kv_score, positions, token_request, ref_state, table, state_slots, *common[:1],
+                              common[1], common[2], ref_out, out_slots, **kw)
+    assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
+    written = out_slots[out_slots >= 0]
+    assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)

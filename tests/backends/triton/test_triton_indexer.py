@@ -106,3 +106,25 @@ def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_sp
         assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], expected[~finite])
         scale = expected[finite].abs().max().clamp_min(1e-30)
         assert (got[finite] - expected[finite]).abs().max() <= 1e-5 * scale, f"token {t}"
+
+
+def test_indexer_logits_orientations_agree() -> None:
+    """Both dot orientations (keys as A or B operand) and the even/odd split dot give the same logits."""
+    from dsv4.backends.triton.indexer import indexer_logits
+    from dsv4.backends.triton.layout import key_layout
+
+    codec = get_codec("indexer_mxfp4")
+    cache = codec.allocate(4, 16)
+    codec.write_rows(cache, torch.arange(64), torch.randn(64, 128))
+    table = torch.randperm(4).view(1, 4).to(torch.int32)
+    q = torch.randn(2, 64, 128).to(torch.bfloat16)
+    w = torch.randn(2, 64)
+    args = (q, w, torch.tensor([255, 130]), torch.zeros(2, dtype=torch.int32), cache,
+            key_layout("indexer_mxfp4", cache), table)
+    a = indexer_logits(*args, topk=4, ratio=4, keys_as_a=True)
+    b = indexer_logits(*args, topk=4, ratio=4, keys_as_a=False, block_entries=16, num_splits=2)
+    c = indexer_logits(*args, topk=4, ratio=4, split_dot=True, block_entries=32, num_splits=3)
+    assert torch.isfinite(a[0]).all() and int(torch.isfinite(a[1]).sum()) == 32
+    atol = 1e-5 * float(a[torch.isfinite(a)].abs().max())
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=atol)
