@@ -105,7 +105,9 @@ class Attention(nn.Module):
             ``"auto"`` (``DSV4_BACKEND``, then the platform's priority list).
         fp8_output: FP8 activations before ``wo_a`` (SPEC §8); default: the profile's choice.
         side_streams: run the compressor and the indexer on CUDA side streams beside the q path
-            (SPEC §3: independent until attention); default: on for CUDA inputs.
+            (SPEC §3: independent until attention). Off by default: on the H200 (V4-Flash layer,
+            b=64 decode, CUDA graphs) it saved 10% on an all-Triton CSA layer and cost 3-4% elsewhere
+            (docs/h200/bench_layer.json).
         check_finite: raise on NaN/Inf in ``x`` (SPEC §12). It costs a device sync, so the default
             checks on CPU only; on GPUs a non-finite token can only reach its own request's pages
             (every op is per token and per request), and ``check_finite=True`` turns the check on.
@@ -192,7 +194,7 @@ class Attention(nn.Module):
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
         """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""
-        enabled = x.is_cuda if self.side_streams is None else (self.side_streams and x.is_cuda)
+        enabled = bool(self.side_streams) and x.is_cuda
         if not enabled or self.compressor is None:
             return None
         if x.device not in self._streams:

@@ -98,11 +98,8 @@ def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, split
                                   profile=profile, num_splits=splits)
     r_out, r_lse = reference.sparse_attention(q.double(), swa, si, sl, ext, ei, el, sink.double(),
                                               kv_format=kv_format, softmax_scale=512 ** -0.5, profile=profile)
-    if profile == "vllm":
-        assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out")
-    else:
-        assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out", abs_tol=4e-3, cos_diff=5e-6,
-                     suite=False)
+    # the conformance suite's rule for the profile (bf16-probability profiles: 99.5% of elements)
+    assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out", profile=profile)
     assert_close("lse", lse.cpu(), r_lse.cpu(), "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
     return f"max|d| {(out.double() - r_out).abs().max().item():.2e}"
 
