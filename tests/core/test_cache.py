@@ -69,13 +69,20 @@ def test_sliding_groups_free_pages_outside_their_window():
     before = cache.free_pages()
     cache.plan_step([StepRequest("a", 1)])
     after = cache.free_pages()
-    table = cache.groups["swa"].tables["a"]
-    B = cache.groups["swa"].block_size
-    live = [i for i, p in enumerate(table) if p >= 0]
-    # the decode at position 1000 needs 873..1000: pages of older positions are back in the pool
-    assert min(live) == (1000 - CFG.sliding_window + 1) // B
-    assert after["swa"] > before["swa"] - 1
-    assert after["c4"] <= before["c4"]  # compressed groups keep everything
+
+    def live(group: str) -> list[int]:
+        return [i for i, p in enumerate(cache.groups[group].tables["a"]) if p >= 0]
+
+    # The decode at position 1000 reads SWA positions 873..1000: pages 13..15 of 64 tokens stay.
+    assert live("swa") == [13, 14, 15]
+    assert after["swa"] - before["swa"] == 16 - 3
+    # r=128 state (window 128, 8 rows a page): positions 873..1000 -> pages 109..125.
+    assert live("state128") == list(range(873 // 8, 1000 // 8 + 1))
+    # r=4 state (window 8, 4 rows a page): positions 993..1000 -> pages 248..250.
+    assert live("state4") == [248, 249, 250]
+    # compressed groups keep every entry: 1001 // 4 = 250 entries -> 4 pages of 64; 1001 // 128 = 7 -> 4 of 2
+    assert live("c4") == [0, 1, 2, 3] and live("c128") == [0, 1, 2, 3]
+    assert after["c4"] == before["c4"]
 
 
 def test_rejected_plan_changes_nothing():
