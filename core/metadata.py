@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.formats import round_up
 
 __all__ = [
     "GroupTable",
@@ -27,11 +28,6 @@ __all__ = [
 # Index tables whose width depends on the context are padded to this multiple, which is what the
 # vendor kernels need (FlashMLA decode % 64, prefill % 128; vLLM's _C128A_TOPK_ALIGNMENT = 128).
 INDEX_ALIGNMENT = 128
-
-
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)

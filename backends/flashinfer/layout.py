@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
+from dsv4.specs.formats import round_up
 
 __all__ = [
     "HEAD_BUCKETS",
@@ -43,9 +44,6 @@ SWA_COLUMNS = 128
 TOPK_COLUMN_ALIGNMENT = 4
 
 
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
 
 
 def padded_head_count(num_heads: int) -> int:

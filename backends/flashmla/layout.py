@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
+from dsv4.specs.formats import round_up
 
 __all__ = [
     "DECODE_TOPK_ALIGNMENT",
@@ -41,9 +42,6 @@ PREFILL_TOPK_ALIGNMENT = 128
 _HEAD_BUCKETS = (64, 128)
 
 
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
 
 
 def padded_head_count(num_heads: int) -> int:

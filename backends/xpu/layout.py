@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from dsv4.specs.formats import round_up
 
 __all__ = ["TOPK_ALIGNMENT", "Workspace", "build_workspace", "round_up"]
 
@@ -16,9 +17,6 @@ __all__ = ["TOPK_ALIGNMENT", "Workspace", "build_workspace", "round_up"]
 TOPK_ALIGNMENT = 16
 
 
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
