@@ -123,7 +123,10 @@ def test_rounding_points_differ_between_profiles() -> None:
              caches[profile], ratio, head_dim, "bf16", profile)
     assert not torch.equal(caches["deepseek"], caches["vllm"])     # bf16(c) before the norm matters ...
     a, b = (get_codec("bf16").read_rows(caches[p], torch.arange(8)) for p in ("deepseek", "vllm"))
-    torch.testing.assert_close(a, b, rtol=2 ** -6, atol=2 ** -7)     # ... at the bf16 level only
+    # ... at the bf16 level only: RoPE mixes each pair, so a small output can carry the rounding of its
+    # larger partner; allow two bf16 ULPs of the largest magnitude in the rows.
+    atol = 2 * 2.0 ** (float(torch.floor(torch.log2(b.abs().max()))) - 7)
+    torch.testing.assert_close(a, b, rtol=2 ** -6, atol=atol)
 
 
 @pytest.mark.parametrize("out_format,profile,head_dim", [
