@@ -17,7 +17,7 @@ Op methods have exactly the signatures of ``docs/ARCHITECTURE.md`` §3 (the refe
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from importlib import metadata
 from typing import Any, ClassVar
@@ -30,6 +30,7 @@ __all__ = [
     "Backend",
     "Capabilities",
     "OpRequest",
+    "OptionalImport",
     "device_arch",
     "platform_of",
 ]
@@ -200,6 +201,38 @@ def device_arch(device: torch.device | str) -> str | None:
     if getattr(torch.version, "hip", None) and gcn:
         return gcn.split(":")[0]
     return f"sm_{props.major}{props.minor}"
+
+
+class OptionalImport:
+    """A vendor module imported on first use, once, with the reason it is absent (xformers-style).
+
+    ``loader()`` returns the module (or entry point); it may raise ``BackendUnavailableError`` for a
+    present-but-unusable package. ``result()`` -> ``(module | None, reason | None)`` (cached);
+    ``get()`` -> the module, or ``BackendUnavailableError`` with the one-line reason.
+    """
+
+    # dlopen and CUDA/ROCm initialisation failures mean "absent" too
+    _ABSENT = (ImportError, OSError, RuntimeError)
+
+    def __init__(self, label: str, loader: Callable[[], Any]):
+        self.label, self.loader = label, loader
+        self._result: tuple[Any, str | None] | None = None
+
+    def result(self) -> tuple[Any, str | None]:
+        if self._result is None:
+            try:
+                self._result = (self.loader(), None)
+            except BackendUnavailableError as exc:
+                self._result = (None, str(exc))
+            except self._ABSENT as exc:
+                self._result = (None, f"{self.label} not importable: {type(exc).__name__}: {exc}")
+        return self._result
+
+    def get(self) -> Any:
+        module, reason = self.result()
+        if module is None:
+            raise BackendUnavailableError(reason or f"{self.label} not importable")
+        return module
 
 
 class Backend:

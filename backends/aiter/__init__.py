@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from dsv4.backend import Backend, Capabilities
+from dsv4.backend import Backend, Capabilities, device_arch
 from dsv4.backends.aiter import attention
 from dsv4.backends.aiter.capabilities import CAPABILITIES, SUPPORTED_ARCHS
 from dsv4.hookspecs import hookimpl
@@ -17,9 +17,8 @@ __all__ = ["AiterBackend", "dsv4_register_backends"]
 
 
 def _rocm_arch() -> str | None:
-    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    """The current GPU's arch (``sm_90``, ``gfx950``) or None (``dsv4.backend.device_arch``)."""
+    return device_arch("cuda")
 
 
 class AiterBackend(Backend):

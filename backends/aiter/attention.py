@@ -7,33 +7,27 @@ No LSE comes back: the result's ``lse`` is NaN.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from dsv4.backend import OptionalImport
 from dsv4.backends.aiter import layout
-from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
 __all__ = ["import_sparse_mla", "sparse_attention"]
 
 _HEAD_DIM = 512
 
 
-@functools.lru_cache(maxsize=1)
-def _import_result() -> tuple[Any, str | None]:
-    try:
-        from aiter.ops.triton.attention import sparse_mla
-    except (ImportError, OSError, RuntimeError) as exc:  # aiter raises RuntimeError without ROCm
-        return None, f"aiter sparse_mla not importable: {type(exc).__name__}: {exc}"
-    return sparse_mla, None
+def _load_sparse_mla() -> Any:
+    from aiter.ops.triton.attention import sparse_mla  # aiter raises RuntimeError without ROCm
+
+    return sparse_mla
 
 
-def import_sparse_mla() -> Any:
-    """``aiter.ops.triton.attention.sparse_mla``, or ``BackendUnavailableError`` with the reason."""
-    module, reason = _import_result()
-    if module is None:
-        raise BackendUnavailableError(reason or "aiter not importable")
-    return module
+_SPARSE_MLA = OptionalImport("aiter sparse_mla", _load_sparse_mla)
+_import_result = _SPARSE_MLA.result
+import_sparse_mla = _SPARSE_MLA.get  # aiter's sparse_mla, or BackendUnavailableError with the reason
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

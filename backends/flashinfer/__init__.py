@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from dsv4.backend import Backend, Capabilities
+from dsv4.backend import Backend, Capabilities, device_arch
 from dsv4.backends.flashinfer import attention
 from dsv4.backends.flashinfer.capabilities import (
     SM100_ARCHS,
@@ -23,10 +23,8 @@ __all__ = ["FlashInferSM100Backend", "FlashInferSM120Backend", "dsv4_register_ba
 
 
 def _cuda_arch() -> str | None:
-    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+    """The current GPU's arch (``sm_90``, ``gfx950``) or None (``dsv4.backend.device_arch``)."""
+    return device_arch("cuda")
 
 
 class _FlashInferBackend(Backend):

@@ -9,10 +9,10 @@ result is NaN (``capabilities.returns_lse`` is False, so LSE-needing requests go
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from dsv4.backend import OptionalImport
 from dsv4.backends.flashinfer import layout
 from dsv4.specs.errors import BackendUnavailableError, CacheLayoutError, DSV4TypeError, DSV4ValueError
 
@@ -29,23 +29,18 @@ _HEAD_DIM = 512
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
-@functools.lru_cache(maxsize=1)
-def _import_result() -> tuple[Any, str | None]:
-    try:
-        import flashinfer.mla as flashinfer_mla
-    except (ImportError, OSError, RuntimeError) as exc:  # a broken CUDA toolchain means "absent" too
-        return None, f"flashinfer not importable: {type(exc).__name__}: {exc}"
+def _load_flashinfer_mla() -> Any:
+    import flashinfer.mla as flashinfer_mla
+
     if not hasattr(flashinfer_mla, "trtllm_batch_decode_sparse_mla_dsv4"):
-        return None, "flashinfer.mla has no trtllm_batch_decode_sparse_mla_dsv4 (needs flashinfer-python 0.7.2.post1)"
-    return flashinfer_mla, None
+        raise BackendUnavailableError("flashinfer.mla has no trtllm_batch_decode_sparse_mla_dsv4 "
+                                      "(needs flashinfer-python 0.7.2.post1)")
+    return flashinfer_mla
 
 
-def import_flashinfer_mla() -> Any:
-    """``flashinfer.mla``, or ``BackendUnavailableError`` with the import error."""
-    module, reason = _import_result()
-    if module is None:
-        raise BackendUnavailableError(reason or "flashinfer not importable")
-    return module
+_FLASHINFER = OptionalImport("flashinfer", _load_flashinfer_mla)
+_import_result = _FLASHINFER.result
+import_flashinfer_mla = _FLASHINFER.get  # flashinfer.mla, or BackendUnavailableError with the reason
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}

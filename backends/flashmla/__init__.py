@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from dsv4.backend import Backend, Capabilities
+from dsv4.backend import Backend, Capabilities, device_arch
 from dsv4.backends.flashmla import attention
 from dsv4.backends.flashmla.attention import SchedulerMetadataCache
 from dsv4.backends.flashmla.capabilities import CAPABILITIES, SUPPORTED_ARCHS
@@ -19,10 +19,8 @@ __all__ = ["FlashMLABackend", "SchedulerMetadataCache", "dsv4_register_backends"
 
 
 def _cuda_arch() -> str | None:
-    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+    """The current GPU's arch (``sm_90``, ``gfx950``) or None (``dsv4.backend.device_arch``)."""
+    return device_arch("cuda")
 
 
 class FlashMLABackend(Backend):

@@ -10,11 +10,11 @@ Call shapes follow research/vllm_dsv4.md §6.2-§6.3 and reference_and_flashmla.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dsv4.backend import OptionalImport
 from dsv4.backends.flashmla import layout
 from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 
@@ -33,24 +33,19 @@ DEFAULT_PREFILL_MIN_TOKENS = 512
 _HEAD_DIM = 512
 
 
-@functools.lru_cache(maxsize=1)
-def _import_result() -> tuple[Any, str | None]:
-    try:
-        import flash_mla
-    except (ImportError, OSError, RuntimeError) as exc:  # dlopen and CUDA failures mean "absent" too
-        return None, f"flash_mla not importable: {type(exc).__name__}: {exc}"
+def _load_flash_mla() -> Any:
+    import flash_mla
+
     has_legacy = getattr(flash_mla, "has_legacy", None)
     if has_legacy is None or not has_legacy():
-        return None, "flash_mla has no legacy kernels (sm_90 / V4 format); sgl-flash-mla==1.0.0 has them"
-    return flash_mla, None
+        raise BackendUnavailableError("flash_mla has no legacy kernels (sm_90 / V4 format); "
+                                      "sgl-flash-mla==1.0.0 has them")
+    return flash_mla
 
 
-def import_flash_mla() -> Any:
-    """The ``flash_mla`` module, or ``BackendUnavailableError`` with the import error."""
-    module, reason = _import_result()
-    if module is None:
-        raise BackendUnavailableError(reason or "flash_mla not importable")
-    return module
+_FLASH_MLA = OptionalImport("flash_mla", _load_flash_mla)
+_import_result = _FLASH_MLA.result
+import_flash_mla = _FLASH_MLA.get  # the flash_mla module, or BackendUnavailableError with the reason
 
 
 @dataclass

@@ -8,35 +8,27 @@ sink is applied here from the returned LSE (natural log, without the sink):
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from dsv4.backend import OptionalImport
 from dsv4.backends.xpu import layout
-from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
 __all__ = ["apply_sink", "import_kernel", "sparse_attention"]
 
 _HEAD_DIM = 512
 
 
-@functools.lru_cache(maxsize=1)
-def _import_result() -> tuple[Any, str | None]:
-    try:
-        from vllm.v1.attention.ops.xpu_mla_sparse import (
-            triton_bf16_mla_sparse_interface,
-        )
-    except (ImportError, OSError, RuntimeError) as exc:
-        return None, f"vllm XPU sparse MLA kernel not importable: {type(exc).__name__}: {exc}"
-    return triton_bf16_mla_sparse_interface, None
+def _load_kernel() -> Any:
+    from vllm.v1.attention.ops.xpu_mla_sparse import triton_bf16_mla_sparse_interface
+
+    return triton_bf16_mla_sparse_interface
 
 
-def import_kernel() -> Any:
-    """The Triton kernel entry point, or ``BackendUnavailableError`` with the import error."""
-    kernel, reason = _import_result()
-    if kernel is None:
-        raise BackendUnavailableError(reason or "XPU kernel not importable")
-    return kernel
+_KERNEL = OptionalImport("vllm XPU sparse MLA kernel", _load_kernel)
+_import_result = _KERNEL.result
+import_kernel = _KERNEL.get  # the Triton kernel entry point, or BackendUnavailableError with the reason
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor,
