@@ -79,8 +79,18 @@ class Compressor(nn.Module):
     def kv_score(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, 2*coff*d]`` in fp32 (float64 for the ideal): ``x @ [Wkv; Wgate]^T`` (SPEC §3 step 4)."""
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
-        w = torch.cat([self.wkv.weight, self.wgate.weight], 0).to(compute)
-        return linear(x.to(compute), w)
+        return linear(x.to(compute), self._fused_weight(compute))
+
+    def _fused_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        # ``[Wkv; Wgate]`` built once, not on every step: rebuilt only when a weight is replaced,
+        # moved or written in place (load_state_dict bumps the tensors' version counters).
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        key = (wkv.data_ptr(), wgate.data_ptr(), wkv._version, wgate._version, dtype)
+        if getattr(self, "_fused_key", None) != key:
+            with torch.no_grad():
+                self._fused = torch.cat([wkv, wgate], 0).to(dtype)
+            self._fused_key = key
+        return self._fused
 
 
 class Indexer(nn.Module):

@@ -121,3 +121,16 @@ def test_rejected_calls_raise_named_errors_and_leave_cache_bytes_alone():
 def test_backends_argument_is_validated():
     with pytest.raises(DSV4ValueError, match="backends: expected keys among"):
         Attention(CFG, 0, backends={"sparse_atention": "reference"})
+
+
+def test_compressor_fused_weight_follows_loaded_weights():
+    attn = _layer(2)
+    x = _x(3, torch.bfloat16)
+    first = attn.compressor.kv_score(x)
+    state = {k: v.clone() for k, v in attn.state_dict().items()}
+    state["compressor.wgate.weight"] = state["compressor.wgate.weight"] * 2
+    attn.load_state_dict(state)
+    second = attn.compressor.kv_score(x)
+    width = second.shape[1] // 2
+    assert torch.equal(second[:, :width], first[:, :width])
+    assert torch.allclose(second[:, width:], 2 * first[:, width:], rtol=1e-6, atol=1e-6)
