@@ -1,12 +1,21 @@
-"""Fused compressor (SPEC §5): state save with APE, then per closing block gather + per-channel
-softmax + weighted RMSNorm + RoPE + (indexer: Hadamard) + quantize + insert.
+"""Fused compressor (SPEC §5): state save with APE, per-channel softmax pooling of each closing block,
+weighted RMSNorm + RoPE + (indexer: Hadamard) + quantize + cache insert.
 
-Two launches over all T tokens (prefill and decode tokens mixed): ``_save_pool_kernel`` writes
-every token's state row and, for a closing token, pools channel chunks of its window into an fp32
-scratch, taking rows of tokens in this same call from ``kv_score`` (so no program waits on another's
-state write, SPEC §5.4) and older rows from the state; ``_finish_kernel`` normalises, rotates,
-(Hadamard, in Kronecker form) quantizes and writes the cache row. Tokens that close no block skip
-the pooling and the finish at once.
+Two launches over all T tokens (prefill and decode tokens mixed), no order pre-pass:
+
+- ``_save_fuse_kernel``: one program per group of G tokens (G = r when fusing). It saves the group's
+  state rows (SPEC §5.1) from one 2-D tile load, and when the group is one aligned block of one
+  request whose window rows are all tokens of this call (checked per row: position, request and
+  state slot, so the shortcut equals reading the state), pools the block from the rows it already
+  holds in registers (r = 4: plus the previous block's half columns, re-read from ``kv_score`` in
+  L2) and finishes it: norm, RoPE, Hadamard, quantize, write. It never reads the state, so no
+  program depends on another's writes. A per-group flag records which blocks it finished.
+- ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, requests
+  not aligned with the groups, out-of-order batches) pools its window from the state, now
+  complete (a later launch), and finishes it. For an aligned prefill it only reads the flags.
+
+r = 4 pools in two passes over the 8 rows in registers; r = 128 streams its 128 rows in chunks of
+R rows with an online (rescaled) softmax, so the pooled row stays in registers.
 """
 from __future__ import annotations
 
@@ -28,212 +37,305 @@ from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
 
 __all__ = ["compress_insert"]
 
-# Output kinds of _finish_kernel.
+# Output kinds of _finish.
 _OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
 
 
 @triton.jit
-def _order_check_kernel(positions, token_request, slot_mapping, out_slot_mapping, ratio, num_tokens, result,
-                        BLOCK: tl.constexpr):
-    """result[0] = min over t of the first token whose pair (t-1, t) is neither (same request, next
-    position) nor (request id increases); result[1] = min over active tokens (saving a state row or
-    closing a block) of T-1-t. Both start at T (one fill)."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < num_tokens
-    prev = tl.maximum(idx - 1, 0)
-    req = tl.load(token_request + idx, mask=ok, other=0)
-    req_prev = tl.load(token_request + prev, mask=ok, other=0)
-    pos = tl.load(positions + idx, mask=ok, other=0)
-    pos_prev = tl.load(positions + prev, mask=ok, other=0)
-    good = ((req == req_prev) & (pos == pos_prev + 1)) | (req > req_prev) | (idx == 0)
-    tl.atomic_min(result, tl.min(tl.where(ok & ~good, idx, num_tokens).to(tl.int64), 0))
-    slot = tl.load(slot_mapping + idx, mask=ok, other=-1)
-    out = tl.load(out_slot_mapping + idx, mask=ok, other=-1)
-    active = ok & ((slot >= 0) | ((out >= 0) & ((pos + 1) % ratio == 0)))
-    tl.atomic_min(result + 1, tl.min(tl.where(active, num_tokens - 1 - idx, num_tokens).to(tl.int64), 0))
-
-
-@triton.jit
-def _in_order(order, num_tokens):
-    """True when every active token precedes the first out-of-order pair (see _order_check_kernel):
-    then a request's tokens in this call are one run of consecutive positions, so the window row of
-    position q is token t - (p - q) or was written by an earlier call."""
-    return tl.load(order) > num_tokens - 1 - tl.load(order + 1)
-
-
-@triton.jit
-def _save_pool_kernel(kv_score, stride_t, positions, token_request, slot_mapping, out_slot_mapping, state, ape,
-                      stride_ape, block_table, stride_bt, state_block_size, pooled, ratio, order, num_tokens,
-                      D: tl.constexpr, COFF: tl.constexpr, WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr,
-                      BD: tl.constexpr, POOL: tl.constexpr):
-    """Program t: save token t's state row (SPEC §5.1), then, if t closes a block, pool its window in
-    channel chunks of BD (SPEC §5.2) into ``pooled[t]``.
-
-    Window rows of tokens in this call are rebuilt from ``kv_score`` (+ ape, the same fp32 add as the
-    save, so bit-identical to the state row) instead of being read back from the state: no program
-    depends on another's writes (one launch), and those rows come from L2, not HBM. Only rows
-    written by earlier calls are read from the state (SPEC §5.4). ``POOL`` = False (benchmarks
-    only) times the save alone.
-    """
-    HALF: tl.constexpr = COFF * D
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(positions + t)
-    slot = tl.load(slot_mapping + t)
-    if slot >= 0:
-        # SPEC §5.1: state row = [kv | score + ape[p % r]], fp32; whole segments, 16-byte accesses.
-        cols = tl.arange(0, D)
-        phase = p % ratio
-        for seg in tl.static_range(2 * COFF):
-            x = tl.load(kv_score + t * stride_t + seg * D + cols)
-            if seg >= COFF:
-                x = x + tl.load(ape + phase * stride_ape + (seg - COFF) * D + cols)
-            tl.store(state + slot * (2 * HALF) + seg * D + cols, x)
-    out_slot = tl.load(out_slot_mapping + t)
-    if POOL & (out_slot >= 0) & ((p + 1) % ratio == 0) & _in_order(order, num_tokens):
-        request = tl.load(token_request + t).to(tl.int64)
-        j = tl.arange(0, WINDOW_P2)
-        q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
-        live = (j < WINDOW) & (q >= 0)
-        q_safe = tl.where(live, q, 0)
-        page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
-        rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
-        # Token u = t - (p - q) holds position q in this call when its position, request and state slot
-        # say so (the slot check makes the shortcut exactly equivalent to reading the state row).
-        u = t - (p - q)
-        maybe = live & (u >= 0)
-        u_safe = tl.where(maybe, u, t)
-        in_call = maybe & (tl.load(positions + u_safe, mask=maybe, other=-1) == q)
-        in_call = in_call & (tl.load(token_request + u_safe, mask=maybe, other=-1) == request)
-        in_call = in_call & (tl.load(slot_mapping + u_safe, mask=maybe, other=-1) == rows)
-        from_state = live & ~in_call
-        # Separate masked loads (not one select of pointers) keep the 16-byte vector accesses.
-        in_base = (u_safe * stride_t)[:, None]
-        state_base = (rows * (2 * HALF))[:, None]
-        ape_base = ((q_safe % ratio) * stride_ape)[:, None]
-        part = (j // ratio)[:, None] * D  # r = 4: previous block columns [0:d], current block [d:2d]
-        for c in range(0, D, BD):
-            kv_col = part + c + tl.arange(0, BD)[None, :]
-            kv_in = tl.load(kv_score + in_base + kv_col, mask=in_call[:, None], other=0.0)
-            kv_st = tl.load(state + state_base + kv_col, mask=from_state[:, None], other=0.0)
-            kv = tl.where(in_call[:, None], kv_in, kv_st)
-            sc_in = tl.load(kv_score + in_base + HALF + kv_col, mask=in_call[:, None], other=0.0)
-            sc_in = sc_in + tl.load(ape + ape_base + kv_col, mask=in_call[:, None], other=0.0)
-            sc_st = tl.load(state + state_base + HALF + kv_col, mask=from_state[:, None], other=float("-inf"))
-            score = tl.where(in_call[:, None], sc_in, sc_st)
-            top = tl.max(score, 0)
-            e = tl.exp(score - top[None, :])
-            weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
-            tl.store(pooled + t * D + c + tl.arange(0, BD), tl.sum(weight * kv, 0))
-
-
-@triton.jit
-def _pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
-                 pooled, ratio, order, num_tokens, D: tl.constexpr, HALF: tl.constexpr, WINDOW: tl.constexpr,
-                 WINDOW_P2: tl.constexpr, BD: tl.constexpr):
-    """Fallback pooling for batches out of order (a later launch, so every state row of this call
-    is written): the window read from the state (SPEC §5.2). Exits at once for ordered batches."""
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(positions + t)
-    out_slot = tl.load(out_slot_mapping + t)
-    if (out_slot >= 0) & ((p + 1) % ratio == 0) & (_in_order(order, num_tokens) == 0):
-        request = tl.load(token_request + t).to(tl.int64)
-        j = tl.arange(0, WINDOW_P2)
-        q = p - WINDOW + 1 + j  # gathered positions p-coff*r+1 .. p (SPEC §5.2)
-        live = (j < WINDOW) & (q >= 0)
-        q_safe = tl.where(live, q, 0)
-        page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
-        base = state + (page.to(tl.int64) * state_block_size + q_safe % state_block_size)[:, None] * (2 * HALF)
-        part = (j // ratio)[:, None] * D  # r = 4: previous block columns [0:d], current block [d:2d]
-        for c in range(0, D, BD):
-            kv_col = part + c + tl.arange(0, BD)[None, :]
-            kv = tl.load(base + kv_col, mask=live[:, None], other=0.0)
-            score = tl.load(base + HALF + kv_col, mask=live[:, None], other=float("-inf"))
-            top = tl.max(score, 0)
-            e = tl.exp(score - top[None, :])
-            weight = e / tl.sum(e, 0)[None, :]  # per-channel softmax over the gathered tokens
-            tl.store(pooled + t * D + c + tl.arange(0, BD), tl.sum(weight * kv, 0))
-
-
-@triton.jit
-def _finish_kernel(positions, out_slot_mapping, pooled, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale,
-                   ratio, eps,
-                   u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
-                   scale_offset, scale_stride,
-                   D: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, QBLOCK: tl.constexpr,
-                   SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
-                   DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(positions + t)
-    out_slot = tl.load(out_slot_mapping + t)
-    if (out_slot >= 0) & ((p + 1) % ratio == 0):
-        cols = tl.arange(0, D)
-        partner_cols = cols ^ 1
-        c = tl.load(pooled + t * D + cols)
-        c_partner = tl.load(pooled + t * D + partner_cols)
-        w = tl.load(norm_weight + cols)
-        w_partner = tl.load(norm_weight + partner_cols)
-        if DEEPSEEK_ROUNDING:
-            c = round_bf16(c)
-            c_partner = round_bf16(c_partner)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(c * c, 0) / D + eps))
-        n = c * inv * w
-        n_partner = c_partner * inv * w_partner
-        if DEEPSEEK_ROUNDING:
-            n = round_bf16(n)
-            n_partner = round_bf16(n_partner)
-        # SPEC §4: a compressed entry rotates at the first position of its block.
-        cs_row = cos_sin + ((p // ratio) * ratio) * stride_cs
-        in_rope = cols >= NOPE
-        pair = tl.where(in_rope, (cols - NOPE) // 2, 0)
-        cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
-        sin = tl.load(cs_row + ROPE // 2 + pair, mask=in_rope, other=0.0)
-        odd = (cols & 1) == 1
-        rotated = tl.where(odd, n * cos + n_partner * sin, n * cos - n_partner * sin)
-        row = round_bf16(tl.where(in_rope, rotated, n))
-        if HADAMARD:
-            # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round. Sylvester H_D = H_A (x) H_B
-            # (D = A*B, index a*B + b), so H x = vec(H_A X H_B) with X = x as [A, B]: A*B*(A+B) products
-            # instead of D*D, and only H_B = H[:B, :B] and H_A[a, c] = H[a*B, c*B] are read.
-            HB: tl.constexpr = D // HAD_A
-            x = tl.reshape(row, (HAD_A, HB))
-            ia = tl.arange(0, HAD_A)
-            ib = tl.arange(0, HB)
-            h_b = tl.load(hadamard + ib[:, None] * D + ib[None, :])
-            h_a = tl.load(hadamard + (ia[:, None] * HB) * D + ia[None, :] * HB)
-            y = tl.sum(x[:, :, None] * h_b[None, :, :], 1)  # [A, B] = X @ H_B
-            z = tl.sum(h_a[:, :, None] * y[None, :, :], 1)  # [A, B] = H_A @ (X @ H_B)
-            row = round_bf16(tl.reshape(z, (D,)) * hadamard_scale)
-        if OUT_KIND == 0:
-            write_latent_row(u8_ptr, bf16_ptr, out_slot, row, cols, block_size, page_stride, token_stride,
-                             nope_offset, rope_offset, scale_offset, scale_stride, FP8, D, NOPE, QBLOCK,
-                             SCALE_ROW)
+def _finish(c, p, out_slot, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+            u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset, scale_offset,
+            scale_stride, RATIO: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+            QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
+            DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
+    """Pooled row ``c`` [D] fp32 of the block closing at position ``p`` -> cache row at ``out_slot``."""
+    cols = tl.arange(0, D)
+    w = tl.load(norm_weight + cols)
+    if DEEPSEEK_ROUNDING:
+        c = round_bf16(c)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(c * c, 0) / D + eps))
+    n = c * inv * w
+    if DEEPSEEK_ROUNDING:
+        n = round_bf16(n)
+    # SPEC §4: GPT-J pairs (2i, 2i+1) of the last ROPE dims, rotated at the block's first position.
+    even, odd = tl.split(tl.reshape(n, (D // 2, 2)))
+    pair = tl.arange(0, D // 2)
+    in_rope = pair >= NOPE // 2
+    k = tl.where(in_rope, pair - NOPE // 2, 0)
+    cs_row = cos_sin + ((p // RATIO) * RATIO) * stride_cs
+    cos = tl.load(cs_row + k, mask=in_rope, other=1.0)
+    sin = tl.load(cs_row + ROPE // 2 + k, mask=in_rope, other=0.0)
+    even_rot = tl.where(in_rope, even * cos - odd * sin, even)
+    odd_rot = tl.where(in_rope, odd * cos + even * sin, odd)
+    row = round_bf16(tl.reshape(tl.join(even_rot, odd_rot), (D,)))
+    if HADAMARD:
+        # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round. Sylvester H_D = H_A (x) H_B
+        # (D = A*B, index a*B + b), so H x = vec(H_A X H_B) with X = x as [A, B]: A*B*(A+B) products
+        # instead of D*D, and only H_B = H[:B, :B] and H_A[a, c] = H[a*B, c*B] are read.
+        HB: tl.constexpr = D // HAD_A
+        x = tl.reshape(row, (HAD_A, HB))
+        ia = tl.arange(0, HAD_A)
+        ib = tl.arange(0, HB)
+        h_b = tl.load(hadamard + ib[:, None] * D + ib[None, :])
+        h_a = tl.load(hadamard + (ia[:, None] * HB) * D + ia[None, :] * HB)
+        y = tl.sum(x[:, :, None] * h_b[None, :, :], 1)  # [A, B] = X @ H_B
+        z = tl.sum(h_a[:, :, None] * y[None, :, :], 1)  # [A, B] = H_A @ (X @ H_B)
+        row = round_bf16(tl.reshape(z, (D,)) * hadamard_scale)
+    if OUT_KIND == 0:
+        write_latent_row(u8_ptr, bf16_ptr, out_slot, row, cols, block_size, page_stride, token_stride,
+                         nope_offset, rope_offset, scale_offset, scale_stride, FP8, D, NOPE, QBLOCK, SCALE_ROW)
+    else:
+        slot = out_slot.to(tl.int64)
+        page_base = (slot // block_size) * page_stride
+        in_page = slot % block_size
+        if OUT_KIND == 1:
+            # SPEC §9.3 fp8 keys: one pow2 scale per vector, 2**ceil(log2(max(amax,1e-4)/448)).
+            amax = tl.maximum(tl.max(tl.abs(row), 0), 1e-4)
+            e = ceil_log2_exponent(tl.div_rn(amax, 448.0))
+            scaled = tl.minimum(tl.maximum(row * pow2_from_exponent(-e), -448.0), 448.0)
+            tl.store(u8_ptr + page_base + in_page * token_stride + cols, encode_e4m3(scaled))
+            scale_ptr = (u8_ptr + page_base + scale_offset + in_page * scale_stride).to(tl.pointer_type(tl.float32))
+            tl.store(scale_ptr, pow2_from_exponent(e))
         else:
-            slot = out_slot.to(tl.int64)
-            page_base = (slot // block_size) * page_stride
-            in_page = slot % block_size
-            if OUT_KIND == 1:
-                # SPEC §9.3 fp8 keys: one pow2 scale per vector, 2**ceil(log2(max(amax,1e-4)/448)).
-                amax = tl.maximum(tl.max(tl.abs(row), 0), 1e-4)
-                e = ceil_log2_exponent(tl.div_rn(amax, 448.0))
-                scaled = tl.minimum(tl.maximum(row * pow2_from_exponent(-e), -448.0), 448.0)
-                tl.store(u8_ptr + page_base + in_page * token_stride + cols, encode_e4m3(scaled))
-                scale_ptr = (u8_ptr + page_base + scale_offset + in_page * scale_stride).to(
-                    tl.pointer_type(tl.float32))
-                tl.store(scale_ptr, pow2_from_exponent(e))
-            else:
-                # SPEC §9.3 mxfp4 keys: e2m1 per QBLOCK with UE8M0 scales, nibbles packed low-first.
-                blocks = tl.reshape(row, (D // QBLOCK, QBLOCK))
-                amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
-                e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
-                scaled = blocks * pow2_from_exponent(-e)[:, None]
-                q = simulate_fp4(scaled)
-                code = fp4_code(tl.abs(q)) | ((q < 0) | ((q == 0) & (scaled < 0))).to(tl.int32) * 8
-                code = tl.reshape(code, (D // 2, 2))
-                low, high = tl.split(code)
-                tl.store(u8_ptr + page_base + in_page * token_stride + tl.arange(0, D // 2),
-                         (low | (high << 4)).to(tl.uint8))
-                tl.store(u8_ptr + page_base + scale_offset + in_page * scale_stride + tl.arange(0, D // QBLOCK),
-                         (e + 127).to(tl.uint8))
+            # SPEC §9.3 mxfp4 keys: e2m1 per QBLOCK with UE8M0 scales, nibbles packed low-first.
+            blocks = tl.reshape(row, (D // QBLOCK, QBLOCK))
+            amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
+            e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
+            scaled = blocks * pow2_from_exponent(-e)[:, None]
+            q = simulate_fp4(scaled)
+            code = fp4_code(tl.abs(q)) | ((q < 0) | ((q == 0) & (scaled < 0))).to(tl.int32) * 8
+            low, high = tl.split(tl.reshape(code, (D // 2, 2)))
+            tl.store(u8_ptr + page_base + in_page * token_stride + tl.arange(0, D // 2),
+                     (low | (high << 4)).to(tl.uint8))
+            tl.store(u8_ptr + page_base + scale_offset + in_page * scale_stride + tl.arange(0, D // QBLOCK),
+                     (e + 127).to(tl.uint8))
+
+
+@triton.jit
+def _online(m, s, acc, kv, score):
+    """One chunk [R, D] of an online per-channel softmax pool: running max m, sum s, sum e*kv acc."""
+    top = tl.maximum(m, tl.max(score, 0))
+    safe = tl.where(top == float("-inf"), 0.0, top)  # all rows so far masked (positions < 0)
+    scale = tl.exp(m - safe)
+    e = tl.exp(score - safe[None, :])
+    return top, s * scale + tl.sum(e, 0), acc * scale + tl.sum(e * kv, 0)
+
+
+@triton.jit
+def _row(x, k, N: tl.constexpr):
+    """Row k of an [N, D] tile, exactly (one value plus zeros)."""
+    return tl.sum(tl.where(tl.arange(0, N)[:, None] == k, x, 0.0), 0)
+
+
+@triton.jit
+def _splat(flag, like):
+    """Scalar bool -> bool tensor shaped like ``like`` (the CPU interpreter turns scalar & tensor into ints)."""
+    return (flag.to(tl.int32) + tl.zeros_like(like).to(tl.int32)) != 0
+
+
+@triton.jit
+def _window_in_call(t_first, q, live, request, positions, token_request, slot_mapping, block_table, stride_bt,
+                    state_block_size, N: tl.constexpr):
+    """[n] bool: position q (live: q >= 0 of a closing block) of ``request`` is held by token
+    t_first + i of this call, whose state slot is the block table's slot (so its kv_score row plus
+    ape is exactly the state row the reference would read)."""
+    u = t_first + tl.arange(0, N)
+    maybe = live & (u >= 0)
+    q_safe = tl.where(live, q, 0)
+    page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
+    rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
+    hit = maybe & (tl.load(positions + u, mask=maybe, other=-1) == q)
+    hit = hit & (tl.load(token_request + u, mask=maybe, other=-1) == request)
+    return hit & (tl.load(slot_mapping + u, mask=maybe, other=-1) == rows)
+
+
+@triton.jit
+def _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, block_table, stride_bt,
+                state_block_size, num_tokens, RATIO: tl.constexpr, COFF: tl.constexpr):
+    """Group of r tokens from t0: (fast, p, out_slot) where fast = its last token closes a block and every
+    row of that block's window is a token of this call at its expected index (or a position < 0)."""
+    tc = t0 + RATIO - 1  # the block's closing token
+    has_tc = tc < num_tokens
+    pc = tl.load(positions + tc, mask=has_tc, other=0)
+    rc = tl.load(token_request + tc, mask=has_tc, other=0).to(tl.int64)
+    oc = tl.load(out_slot_mapping + tc, mask=has_tc, other=-1)
+    closes = has_tc & (oc >= 0) & ((pc + 1) % RATIO == 0)
+    q_own = pc - RATIO + 1 + tl.arange(0, RATIO)
+    own = _window_in_call(t0, q_own, _splat(closes, q_own) & (q_own >= 0), rc, positions, token_request,
+                          slot_mapping, block_table, stride_bt, state_block_size, RATIO)
+    fast = closes & (tl.sum(own.to(tl.int32), 0) == RATIO)
+    if COFF == 2:
+        # r = 4 overlap: positions p-7..p-4 (previous block) are tokens t0-4..t0-1 or before position 0.
+        q_prev = pc - 2 * RATIO + 1 + tl.arange(0, RATIO)
+        prev_live = _splat(closes, q_prev) & (q_prev >= 0)
+        prev = _window_in_call(t0 - RATIO, q_prev, prev_live, rc, positions, token_request, slot_mapping,
+                               block_table, stride_bt, state_block_size, RATIO)
+        fast = fast & (tl.sum((prev_live & ~prev).to(tl.int32), 0) == 0)
+    return fast, pc, oc
+
+
+@triton.jit
+def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping, out_slot_mapping, state, ape,
+                      stride_ape, block_table, stride_bt, state_block_size, fused, num_tokens,
+                      norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+                      u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                      scale_offset, scale_stride,
+                      RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+                      FUSE: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                      QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
+                      DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
+    """Program g: the G tokens from g*G. Saves their state rows [kv | score + ape[p % r]] (SPEC §5.1); with
+    FUSE (G = r) also pools + finishes the group's block when ``_fast_check`` says its window is all in
+    this call, and writes ``fused[g]`` (1: done here)."""
+    HALF: tl.constexpr = COFF * D
+    cols = tl.arange(0, D)
+    if COFF == 2:
+        group = tl.program_id(0)
+        t0 = group.to(tl.int64) * G
+        if FUSE:
+            fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping,
+                                       block_table, stride_bt, state_block_size, num_tokens, RATIO, COFF)
+            tl.store(fused + group, fast.to(tl.int8))
+        # r = 4: row = [kv_a | kv_b | sc_a | sc_b], one [G, D] tile per segment.
+        t = t0 + tl.arange(0, G)
+        ok = t < num_tokens
+        p = tl.load(positions + t, mask=ok, other=0)
+        slot = tl.load(slot_mapping + t, mask=ok, other=-1)
+        save = (ok & (slot >= 0))[:, None]
+        src = kv_score + t[:, None] * stride_t + cols[None, :]
+        dst = state + slot[:, None] * (2 * HALF) + cols[None, :]
+        ape_row = ape + (p % RATIO)[:, None] * stride_ape + cols[None, :]
+        kv_a = tl.load(src, mask=ok[:, None], other=0.0)
+        kv_b = tl.load(src + D, mask=ok[:, None], other=0.0)
+        ape_a = tl.load(ape_row, mask=ok[:, None], other=0.0)
+        sc_a = tl.load(src + 2 * D, mask=ok[:, None], other=0.0) + ape_a
+        sc_b = tl.load(src + 3 * D, mask=ok[:, None], other=0.0) + tl.load(ape_row + D, mask=ok[:, None],
+                                                                             other=0.0)
+        tl.store(dst, kv_a, mask=save)
+        tl.store(dst + D, kv_b, mask=save)
+        tl.store(dst + 2 * D, sc_a, mask=save)
+        tl.store(dst + 3 * D, sc_b, mask=save)
+        if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
+            if fast:
+                # Previous block: columns [0:d] of tokens t0-4..t0-1 (this call; ape phases 0..3 = ape_a's).
+                live = (pc - 2 * G + 1 + tl.arange(0, G)) >= 0
+                prev_src = kv_score + (t0 - G + tl.arange(0, G))[:, None] * stride_t + cols[None, :]
+                kv_p = tl.load(prev_src, mask=live[:, None], other=0.0)
+                sc_p = tl.load(prev_src + 2 * D, mask=live[:, None], other=0.0) + ape_a
+                sc_p = tl.where(live[:, None], sc_p, float("-inf"))
+                top = tl.maximum(tl.max(sc_p, 0), tl.max(sc_b, 0))
+                e_p = tl.exp(sc_p - top[None, :])
+                e_b = tl.exp(sc_b - top[None, :])
+                # Sums in window order (rows p-7 .. p): the order of one 8-row tl.sum under the interpreter
+                # and of torch's CPU reduction, so fewer last-bit differences for FP4 keys to amplify.
+                total = tl.sum(e_p, 0)
+                for k in tl.static_range(G):
+                    total += _row(e_b, k, G)
+                c = tl.sum(e_p / total[None, :] * kv_p, 0)
+                w_kv = e_b / total[None, :] * kv_b
+                for k in tl.static_range(G):
+                    c += _row(w_kv, k, G)
+                _finish(c, pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+                        u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                        scale_offset, scale_stride, RATIO, D, NOPE, ROPE, QBLOCK, SCALE_ROW, FP8, OUT_KIND,
+                        DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
+    else:
+        # r = 128: row = [kv | sc]; the G rows in chunks of R, pooled online on the way (used if fast).
+        t0 = tl.program_id(0).to(tl.int64) * G
+        if FUSE:
+            fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, block_table,
+                                       stride_bt, state_block_size, num_tokens, RATIO, COFF)
+            tl.store(fused + tl.program_id(0), fast.to(tl.int8))
+            m = tl.full((D,), float("-inf"), tl.float32)
+            s = tl.zeros((D,), tl.float32)
+            acc = tl.zeros((D,), tl.float32)
+        for i in range(G // R):
+            t = t0 + i * R + tl.arange(0, R)
+            ok = t < num_tokens
+            p = tl.load(positions + t, mask=ok, other=0)
+            slot = tl.load(slot_mapping + t, mask=ok, other=-1)
+            src = kv_score + t[:, None] * stride_t + cols[None, :]
+            kv = tl.load(src, mask=ok[:, None], other=0.0)
+            sc = tl.load(src + D, mask=ok[:, None], other=0.0) + tl.load(
+                ape + (p % RATIO)[:, None] * stride_ape + cols[None, :], mask=ok[:, None], other=0.0)
+            dst = state + slot[:, None] * (2 * HALF) + cols[None, :]
+            save = (ok & (slot >= 0))[:, None]
+            tl.store(dst, kv, mask=save)
+            tl.store(dst + D, sc, mask=save)
+            if FUSE:
+                m, s, acc = _online(m, s, acc, kv, sc)
+        if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
+            if fast:
+                _finish(tl.div_rn(acc, s), pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+                        u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                        scale_offset, scale_stride, RATIO, D, NOPE, ROPE, QBLOCK, SCALE_ROW, FP8, OUT_KIND,
+                        DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
+
+
+@triton.jit
+def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
+                       fused, num_tokens, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+                       u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                       scale_offset, scale_stride,
+                       RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, GB: tl.constexpr,
+                       FUSE_G: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                       QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
+                       DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
+    """Program b: tokens [b*GB, b*GB+GB). Each closing token that ``_save_fuse_kernel`` did not finish
+    (FUSE_G > 0: its group size, else none) pools its window from the state (every row of this call
+    is written by then, SPEC §5.2 / §5.4) and finishes it."""
+    HALF: tl.constexpr = COFF * D
+    WINDOW: tl.constexpr = COFF * RATIO
+    t = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    ok = t < num_tokens
+    p = tl.load(positions + t, mask=ok, other=0)
+    out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
+    todo = ok & (out >= 0) & ((p + 1) % RATIO == 0)
+    if FUSE_G > 0:
+        done = tl.load(fused + t // FUSE_G, mask=todo & (t % FUSE_G == FUSE_G - 1), other=0)
+        todo = todo & (done == 0)
+    if tl.sum(todo.to(tl.int32), 0) > 0:
+        cols = tl.arange(0, D)
+        for k in range(GB):
+            tk = tl.program_id(0).to(tl.int64) * GB + k
+            ok_k = tk < num_tokens
+            pk = tl.load(positions + tk, mask=ok_k, other=0)
+            ok_k = ok_k & (tl.sum(tl.where(tl.arange(0, GB) == k, todo.to(tl.int32), 0), 0) > 0)
+            if ok_k:
+                request = tl.load(token_request + tk).to(tl.int64)
+                out_k = tl.load(out_slot_mapping + tk)
+                bt_row = block_table + request * stride_bt
+                if COFF == 2:
+                    # r = 4: positions p-7..p-4 use columns [0:d], p-3..p columns [d:2d]; < 0: kv 0, score -inf.
+                    j = tl.arange(0, WINDOW)
+                    q = pk - WINDOW + 1 + j
+                    live = q >= 0
+                    q_safe = tl.where(live, q, 0)
+                    page = tl.load(bt_row + q_safe // state_block_size, mask=live, other=0)
+                    rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
+                    src = state + (rows * (2 * HALF) + (j // RATIO) * D)[:, None] + cols[None, :]
+                    kv = tl.load(src, mask=live[:, None], other=0.0)
+                    score = tl.load(src + HALF, mask=live[:, None], other=float("-inf"))
+                    e = tl.exp(score - tl.max(score, 0)[None, :])
+                    c = tl.sum(e / tl.sum(e, 0)[None, :] * kv, 0)  # per-channel softmax over the window
+                else:
+                    m = tl.full((D,), float("-inf"), tl.float32)
+                    s = tl.zeros((D,), tl.float32)
+                    acc = tl.zeros((D,), tl.float32)
+                    for i in range(WINDOW // R):
+                        q = pk - WINDOW + 1 + i * R + tl.arange(0, R)
+                        live = q >= 0
+                        q_safe = tl.where(live, q, 0)
+                        page = tl.load(bt_row + q_safe // state_block_size, mask=live, other=0)
+                        rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
+                        src = state + (rows * (2 * HALF))[:, None] + cols[None, :]
+                        kv = tl.load(src, mask=live[:, None], other=0.0)
+                        score = tl.load(src + HALF, mask=live[:, None], other=float("-inf"))
+                        m, s, acc = _online(m, s, acc, kv, score)
+                    c = tl.div_rn(acc, s)
+                _finish(c, pk, out_k, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
+                        u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
+                        scale_offset, scale_stride, RATIO, D, NOPE, ROPE, QBLOCK, SCALE_ROW, FP8, OUT_KIND,
+                        DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
 
 
 def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
@@ -241,39 +343,25 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                     cos_sin: torch.Tensor, out_cache: torch.Tensor, out_layout: LatentLayout | KeyLayout,
                     out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, deepseek_rounding: bool,
-                    hadamard: torch.Tensor | None, rope_dim: int, eps: float, _pool: bool = True,
-                    _finish: bool = True, _pool_block: int | None = None, _num_warps: int | None = None) -> None:
+                    hadamard: torch.Tensor | None, rope_dim: int, eps: float, _fuse: bool | None = None,
+                    _rows: int | None = None, _warps: int | None = None, _pool_group: int | None = None,
+                    _pool_warps: int | None = None, _save_only: bool = False, _second: bool = True) -> None:
     """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2.
 
-    ``_pool`` / ``_finish`` = False (benchmarks only: docs/triton.md's time split) skip the pooling of
-    the first launch / the fallback pool and finish launches; ``_pool_block`` / ``_num_warps`` tune
-    the first launch.
+    Tuning (benchmarks and tests; defaults from the H200 sweep in docs/triton.md): ``_fuse`` forces the
+    fused path on / off (default: r = 4 always, r = 128 from 8192 tokens on, where 128-token groups
+    still fill the GPU); ``_rows`` rows per chunk (r = 128), ``_warps`` / ``_pool_warps`` warps of the
+    two launches, ``_pool_group`` tokens per program of the second launch; ``_save_only`` skips
+    pooling, ``_second`` = False the second launch (docs/triton.md's time split).
     """
     num_tokens = kv_score.shape[0]
     if num_tokens == 0:
         return
     coff = 2 if ratio == 4 else 1
-    window = coff * ratio
-    window_p2 = next_pow2(window)
-    # Pool channel chunk: [window, BD] tiles of ~2K floats (five such tiles live in registers: the
-    # in-call and state candidates of kv and score, and the ape bias): r = 4 [8, 256], r = 128 [128, 16].
-    bd = _pool_block or min(head_dim, max(16, 2048 // window_p2))
-    extra = {} if INTERPRET else {"num_warps": _num_warps or 4}
-    pooled = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=kv_score.device)
-    order = torch.full((2,), num_tokens, dtype=torch.int64, device=kv_score.device)
-    check_block = 1024
-    _order_check_kernel[(-(-num_tokens // check_block),)](
-        positions, token_request, state_slot_mapping, out_slot_mapping, ratio, num_tokens, order, BLOCK=check_block)
-    _save_pool_kernel[(num_tokens,)](
-        kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
-        ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], pooled, ratio,
-        order, num_tokens, D=head_dim, COFF=coff, WINDOW=window, WINDOW_P2=window_p2, BD=bd, POOL=_pool, **extra)
-    if not _finish:
-        return
-    _pool_kernel[(num_tokens,)](
-        positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
-        state_cache.shape[1], pooled, ratio, order, num_tokens, D=head_dim, HALF=coff * head_dim, WINDOW=window,
-        WINDOW_P2=window_p2, BD=bd)
+    fuse = (ratio == 4 or num_tokens >= 8192) if _fuse is None else _fuse
+    fuse = fuse and not _save_only
+    group = ratio if fuse else (4 if ratio == 4 else 1)
+    rows = _rows or min(group, 8)
     if isinstance(out_layout, LatentLayout):
         kind, fp8 = _OUT_LATENT, out_layout.fp8_nope
         u8, bf16 = out_layout.byte_views(out_cache)
@@ -288,9 +376,28 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         args = (block, stride, value_bytes, 0, 0, scale_offset, scale_bytes)
         nope, qblock, scale_row = head_dim - rope_dim, out_layout.quant_block, 1
     use_hadamard = hadamard is not None
-    _finish_kernel[(num_tokens,)](
-        positions, out_slot_mapping, pooled, norm_weight, cos_sin, cos_sin.stride(0),
-        hadamard if use_hadamard else pooled, head_dim ** -0.5, ratio, eps,
-        u8, bf16, *args,
-        D=head_dim, NOPE=nope, ROPE=rope_dim, QBLOCK=qblock, SCALE_ROW=scale_row, FP8=fp8, OUT_KIND=kind,
-        DEEPSEEK_ROUNDING=deepseek_rounding, HADAMARD=use_hadamard, HAD_A=1 << (head_dim.bit_length() - 1) // 2)
+    programs = triton.cdiv(num_tokens, group)
+    fused = torch.empty((programs if fuse else 1,), dtype=torch.int8, device=kv_score.device)
+    finish_args = (norm_weight, cos_sin, cos_sin.stride(0), hadamard if use_hadamard else norm_weight,
+                   head_dim ** -0.5, eps, u8, bf16, *args)
+    finish_meta = {"NOPE": nope, "ROPE": rope_dim, "QBLOCK": qblock, "SCALE_ROW": scale_row, "FP8": fp8,
+                   "OUT_KIND": kind, "DEEPSEEK_ROUNDING": deepseek_rounding, "HADAMARD": use_hadamard,
+                   "HAD_A": 1 << (head_dim.bit_length() - 1) // 2}
+    # Warps: many small programs in flight beat wide ones (H200, 32K tokens: r = 4 d = 512 4 warps 166 us,
+    # 8 warps 331 us; d = 128 1 warp 51 us, 4 warps 228 us; r = 128 4 warps 84 us, 8 warps 93 us).
+    default_warps = 4 if head_dim == 512 else 1
+    warps = {} if INTERPRET else {"num_warps": _warps or default_warps}
+    _save_fuse_kernel[(programs,)](
+        kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
+        ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], fused, num_tokens,
+        *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse, **finish_meta, **warps)
+    if _save_only or not _second:
+        return
+    # Second launch: one token a program for small batches (decode); groups of 16 for large ones, where
+    # most programs only read the flags and exit (wider groups serialise unaligned requests' blocks).
+    pool_group = _pool_group or (1 if num_tokens <= 2048 else 16)
+    pool_warps = {} if INTERPRET else {"num_warps": _pool_warps or 4}
+    _state_pool_kernel[(triton.cdiv(num_tokens, pool_group),)](
+        positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
+        state_cache.shape[1], fused, num_tokens, *finish_args, RATIO=ratio, D=head_dim, COFF=coff, GB=pool_group,
+        FUSE_G=group if fuse else 0, R=_rows or 8, **finish_meta, **pool_warps)

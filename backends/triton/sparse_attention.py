@@ -18,7 +18,9 @@ and ``_combine_kernel`` merges them.
 H200 (docs/triton.md): one 64-head program per SM (a [64, 512] fp32 accumulator fills the
 registers, 215 KB of shared memory double-buffers the fp8 gathers); the kernel is latency-bound
 (about a third of issue slots used, stalls on barriers and fixed-latency waits), not
-bandwidth-bound.
+bandwidth-bound. Per-tile work kept small: page offsets by shift and mask for power-of-two pages
+(else 32-bit divisions), probabilities rounded by the hardware's RNE bf16 cast on CUDA (integer
+rounding only under the interpreter), the softmax scale folded into one FMA per score.
 """
 from __future__ import annotations
 
@@ -38,28 +40,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_source(tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16,
-                 swa_i64, ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off,
-                 ext_scale_off, HAS_EXTRA: tl.constexpr):
-    """Scalars of virtual tile ``tile``: tiles [0, n_swa) are SWA, the rest extra (SPEC §7: one softmax)."""
-    if HAS_EXTRA:
-        in_swa = tile < n_swa
-        local = tl.where(in_swa, tile, tile - n_swa)
-        idx_row = tl.where(in_swa, swa_row, ext_row)
-        length = tl.where(in_swa, swa_len, ext_len)
-        u8 = tl.where(in_swa, swa_u8, ext_u8)
-        bf16 = tl.where(in_swa, swa_bf16, ext_bf16)
-        i64 = tl.where(in_swa, swa_i64, ext_i64)
-        block = tl.where(in_swa, swa_block, ext_block)
-        page_stride = tl.where(in_swa, swa_page_stride, ext_page_stride)
-        scale_off = tl.where(in_swa, swa_scale_off, ext_scale_off)
-    else:
-        local, idx_row, length, u8, bf16, i64 = tile, swa_row, swa_len, swa_u8, swa_bf16, swa_i64
-        block, page_stride, scale_off = swa_block, swa_page_stride, swa_scale_off
-    return local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off
-
-
-@triton.jit
 def _load_slots(idx_row, local_tile, length, BN: tl.constexpr, REPEAT: tl.constexpr):
     """[BN] int32 slots of one tile and [BN] validity (in the list and not -1, SPEC §10).
 
@@ -72,35 +52,65 @@ def _load_slots(idx_row, local_tile, length, BN: tl.constexpr, REPEAT: tl.conste
 
 
 @triton.jit
-def _issue_gather(u8_ptr, bf16_ptr, i64_ptr, slots, valid,
-                  block_size, page_stride, token_stride, nope_offset, rope_offset, scale_offset, scale_stride,
-                  FP8: tl.constexpr, NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
-    """Raw bytes of ``BN`` latent records, shaped ``[BN, CHUNKS, CHUNK]`` (one UE8M0 scale per chunk).
+def _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA: tl.constexpr, BN: tl.constexpr,
+                REPEAT: tl.constexpr):
+    """[BN] int32 slots and [BN] validity of virtual tile ``tile`` (past the list: all invalid)."""
+    in_swa = tile < n_swa
+    if HAS_EXTRA:
+        idx_row = tl.where(in_swa, swa_row, ext_row)
+        local = tl.where(in_swa, tile, tile - n_swa)
+        length = tl.where(in_swa, swa_len, ext_len)
+    else:
+        idx_row, local, length = swa_row, tile, swa_len
+    return _load_slots(idx_row, local, length, BN, REPEAT)
 
-    fp8 (SPEC §9.1, A5 §9.2): (e4m3 codes u8 [BN, C, E], rope bf16 [BN, 1, E], scale word i64 [BN]);
-    the 8 scale bytes of a row are one little-endian word (byte c = chunk c), so a row costs one
-    8-byte load instead of one byte load per element. bf16 rows: (rows bf16 [BN, D], 0, 0).
-    Invalid rows read as 0 (no memory access).
+
+@triton.jit
+def _gather(tile, slots, valid, n_swa, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64, swa_block, ext_block,
+            swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, token_stride, nope_offset, rope_offset,
+            scale_stride, HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, POW2_BLOCKS: tl.constexpr,
+            NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Loads of the ``BN`` records of tile ``tile``: (raw, rope, scale word); invalid rows read nothing.
+
+    fp8 (SPEC §9.1, A5 §9.2): raw = e4m3 codes u8 ``[BN, CHUNKS, CHUNK]`` (the rope chunk masked),
+    rope = bf16 ``[BN, 1, CHUNK]``, word = the row's 8 UE8M0 bytes as one little-endian int64 (byte
+    c = chunk c: one 8-byte load a row). bf16 rows: raw = ``[BN, D]`` bf16 (2-D, so that Triton can
+    copy the rows straight into the dot's shared-memory operand). Page sizes: log2 when
+    ``POW2_BLOCKS`` (shift and mask), else a 32-bit division per row.
     """
-    safe = tl.where(valid, slots, 0).to(tl.int64)
-    page = safe // block_size
-    in_page = safe - page * block_size
-    record = page * page_stride + in_page * token_stride  # [BN] byte offset of each record
+    in_swa = tile < n_swa
+    if HAS_EXTRA:
+        u8 = tl.where(in_swa, swa_u8, ext_u8)
+        bf16 = tl.where(in_swa, swa_bf16, ext_bf16)
+        i64 = tl.where(in_swa, swa_i64, ext_i64)
+        block = tl.where(in_swa, swa_block, ext_block)
+        page_stride = tl.where(in_swa, swa_page_stride, ext_page_stride)
+        scale_off = tl.where(in_swa, swa_scale_off, ext_scale_off)
+    else:
+        u8, bf16, i64, block, page_stride, scale_off = (swa_u8, swa_bf16, swa_i64, swa_block, swa_page_stride,
+                                                        swa_scale_off)
+    safe = tl.where(valid, slots, 0)  # int32 slots >= 0
+    if POW2_BLOCKS:
+        page32 = safe >> block
+        in_page = safe & ((1 << block) - 1)
+    else:
+        page32 = safe // block
+        in_page = safe - page32 * block
+    page = page32.to(tl.int64)
+    record = page * page_stride + in_page.to(tl.int64) * token_stride  # [BN] byte offsets
     if FP8:
         rows = record[:, None, None]
         row_ok = valid[:, None, None]
         chunk = tl.arange(0, CHUNKS)[None, :, None]
         elem = tl.arange(0, CHUNK)[None, None, :]
-        codes = tl.load(u8_ptr + rows + nope_offset + chunk * CHUNK + elem,
-                        mask=row_ok & (chunk < NOPE_CHUNKS), other=0)
-        rope = tl.load(bf16_ptr + (rows + rope_offset) // 2 + elem, mask=row_ok, other=0.0)
-        scale_row = page * page_stride + scale_offset + in_page * scale_stride  # [BN] bytes, 8-aligned
-        word = tl.load(i64_ptr + (scale_row >> 3), mask=valid, other=0)
-        raw = codes
+        raw = tl.load(u8 + rows + nope_offset + chunk * CHUNK + elem, mask=row_ok & (chunk < NOPE_CHUNKS),
+                      other=0)
+        rope = tl.load(bf16 + (rows + rope_offset) // 2 + elem, mask=row_ok, other=0.0)
+        scale_row = page * page_stride + scale_off + in_page * scale_stride  # [BN] bytes, 8-aligned
+        word = tl.load(i64 + (scale_row >> 3), mask=valid, other=0)
     else:
-        # 2-D [BN, D] so that the gathered rows can go straight to the dot's shared-memory operand.
         cols = tl.arange(0, CHUNKS * CHUNK)[None, :]
-        raw = tl.load(bf16_ptr + (record[:, None] + nope_offset) // 2 + cols, mask=valid[:, None], other=0.0)
+        raw = tl.load(bf16 + (record[:, None] + nope_offset) // 2 + cols, mask=valid[:, None], other=0.0)
         rope = tl.zeros([1, 1, CHUNK], tl.bfloat16)
         word = tl.zeros([1], tl.int64)
     return raw, rope, word
@@ -109,11 +119,16 @@ def _issue_gather(u8_ptr, bf16_ptr, i64_ptr, slots, valid,
 @triton.jit
 def _dequantize(raw, rope, word, FP8: tl.constexpr, HW_FP8: tl.constexpr, NOPE_CHUNKS: tl.constexpr,
                 CHUNKS: tl.constexpr, CHUNK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """``_issue_gather``'s bytes -> K = V rows ``[BN, CHUNKS * CHUNK]`` in ``OUT_DTYPE`` (exact bf16 values)."""
+    """``_gather``'s bytes -> K = V rows ``[BN, CHUNKS * CHUNK]`` in ``OUT_DTYPE`` (exact bf16 values).
+
+    SPEC §9.1: value = e4m3 * 2**(ue8m0 - 127), converted by the hardware (``cvt`` e4m3x2, exact) on
+    sm_89+ CUDA and by the exact integer decode elsewhere (interpreter, ROCm FNUZ parts, XPU); e4m3
+    (4 significant bits) times a power of two is a bf16 value, so the cast is exact. The rope chunk
+    keeps its bf16 values.
+    """
     if FP8:
         chunk = tl.arange(0, CHUNKS)[None, :, None]
         is_nope = chunk < NOPE_CHUNKS
-        # SPEC §9.1: value = e4m3 * 2**(ue8m0 - 127); the rope chunk keeps its bf16 values.
         scale_byte = ((word[:, None, None] >> (chunk * 8).to(tl.int64)) & 255).to(tl.int32)  # [BN, C, 1]
         scale_byte = tl.where(is_nope, scale_byte, 127)
         scale = (scale_byte << 23).to(tl.float32, bitcast=True)  # 2**(byte-127), byte >= 1
@@ -121,7 +136,6 @@ def _dequantize(raw, rope, word, FP8: tl.constexpr, HW_FP8: tl.constexpr, NOPE_C
             nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # hardware cvt, exact
         else:
             nope = decode_e4m3(raw)
-        # e4m3 (4 significant bits) times a power of two is a bf16 value: the cast is exact.
         k = tl.where(is_nope, (nope * scale).to(OUT_DTYPE), rope.to(OUT_DTYPE))
         k = tl.reshape(k, [k.shape[0], CHUNKS * CHUNK])
     else:
@@ -141,13 +155,19 @@ def _sparse_attention_kernel(
         HAS_EXTRA: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
         NOPE_CHUNKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PROBS_BF16: tl.constexpr, REPEAT: tl.constexpr):
+        PROBS_BF16: tl.constexpr, REPEAT: tl.constexpr, POW2_BLOCKS: tl.constexpr, RNE_CVT: tl.constexpr,
+        ISOLATE_S: tl.constexpr, PREFETCH: tl.constexpr):
     """Grid (T, cdiv(H, BH), NUM_SPLITS). q [T,H,D] bf16; out [T,H,D] bf16; lse [T,H] fp32.
 
     Per tile: ``S = q K^T`` ``[BH, BN]`` and ``O += P K`` with K the B operand of both dots (one
     shared-memory tile, q in shared memory too, P in registers). With 8 warps Triton gives the
-    P@V accumulator ``[64, 512]`` to two warpgroups of 256 columns each and computes ``S`` in both
-    (its layout for chained dots), the price of keeping P in registers.
+    P@V accumulator ``[64, 512]`` to two warpgroups of 256 columns each; for the scores it picks a
+    layout in which both warpgroups compute the full ``[64, BN]`` (its rule for a dot feeding
+    another dot) unless ``ISOLATE_S`` puts the score dot in a region of its own (a one-trip loop
+    whose trip count the compiler cannot see): then each warpgroup computes half the score columns
+    and P reaches the P@V dot through shared memory. Triton's pipeliner only handles innermost
+    loops, so ``ISOLATE_S`` forgoes its pipelining; ``PREFETCH`` issues the next tile's loads into
+    registers before this tile's math instead (1: the slot indices, 2: the records too).
 
     ``REPEAT`` = 2 (fp32 probabilities through bf16 tensor cores, the vllm profile): every key
     appears twice in a tile, the first copy's probability is ``hi = bf16(p)`` and the second's
@@ -181,35 +201,64 @@ def _sparse_attention_kernel(
     swa_row = swa_idx + t64 * swa_idx_stride
     ext_row = ext_idx + t64 * ext_idx_stride
 
+    one = tl.minimum(num_heads, 1)  # 1, unknown at compile time (ISOLATE_S)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
+    if PREFETCH >= 1:
+        n_slots, n_valid = _tile_slots(lo, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA, BN, REPEAT)
+    if PREFETCH == 2:
+        n_raw, n_rope, n_word = _gather(
+            lo, n_slots, n_valid, n_swa, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64, swa_block,
+            ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, swa_token_stride,
+            swa_nope_off, swa_rope_off, swa_scale_stride, HAS_EXTRA, FP8, POW2_BLOCKS, NOPE_CHUNKS, CHUNKS, CHUNK)
     for tile in range(lo, hi):
-        local, idx_row, length, u8, bf16, i64, block, page_stride, scale_off = _tile_source(
-            tile, n_swa, swa_row, ext_row, swa_len, ext_len, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64,
-            ext_i64, swa_block, ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off,
-            HAS_EXTRA)
-        slots, valid = _load_slots(idx_row, local, length, BN, REPEAT)
-        raw, rope, word = _issue_gather(u8, bf16, i64, slots, valid, block, page_stride, swa_token_stride,
-                                        swa_nope_off, swa_rope_off, scale_off, swa_scale_stride, FP8,
-                                        NOPE_CHUNKS, CHUNKS, CHUNK)
+        if PREFETCH >= 1:
+            # The next tile's loads go out now and land while this tile computes (past hi: masked).
+            slots, valid = n_slots, n_valid
+            n_slots, n_valid = _tile_slots(tile + 1, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA, BN,
+                                           REPEAT)
+        else:
+            slots, valid = _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA, BN, REPEAT)
+        if PREFETCH == 2:
+            raw, rope, word = n_raw, n_rope, n_word
+            n_raw, n_rope, n_word = _gather(
+                tile + 1, n_slots, n_valid, n_swa, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64, swa_block,
+                ext_block, swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, swa_token_stride,
+                swa_nope_off, swa_rope_off, swa_scale_stride, HAS_EXTRA, FP8, POW2_BLOCKS, NOPE_CHUNKS, CHUNKS,
+                CHUNK)
+        else:
+            raw, rope, word = _gather(
+                tile, slots, valid, n_swa, swa_u8, ext_u8, swa_bf16, ext_bf16, swa_i64, ext_i64, swa_block, ext_block,
+                swa_page_stride, ext_page_stride, swa_scale_off, ext_scale_off, swa_token_stride, swa_nope_off,
+                swa_rope_off, swa_scale_stride, HAS_EXTRA, FP8, POW2_BLOCKS, NOPE_CHUNKS, CHUNKS, CHUNK)
         k = _dequantize(raw, rope, word, FP8, HW_FP8, NOPE_CHUNKS, CHUNKS, CHUNK, DOT_DTYPE)  # [BN, D]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32 accumulation, log2 domain
+        if ISOLATE_S:
+            s = tl.zeros([BH, BN], tl.float32)
+            for _ in range(one):
+                s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BH, BN] fp32 accumulation
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Statistics in the log2 domain; max(s) * c = max(s * c) (c > 0, rounding is monotonic) and
+        # s * c - m is one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * scale_log2 - m_safe[:, None])
         acc = acc * alpha[:, None]
         if REPEAT == 2:
             first = (tl.arange(0, BN) % 2 == 0)[None, :]
             l_i = l_i * alpha + tl.sum(tl.where(first, p, 0.0), 1)
-            p_hi = round_bf16(p)
+            if RNE_CVT:
+                p_hi = p.to(tl.bfloat16).to(tl.float32)
+            else:
+                p_hi = round_bf16(p)
             p = tl.where(first, p_hi, p - p_hi)
         else:
             l_i = l_i * alpha + tl.sum(p, 1)  # the denominator sums fp32 probabilities (SPEC §6.6)
-            if PROBS_BF16:
-                p = round_bf16(p)  # SPEC §6.6 deepseek: probabilities cast to bf16 before P@V (RNE)
+            if PROBS_BF16 and not RNE_CVT:
+                p = round_bf16(p)  # SPEC §6.6 deepseek: bf16 probabilities (RNE; on CUDA the cast rounds so)
         acc = tl.dot(p.to(DOT_DTYPE), k, acc)
         m_i = m_new
 
@@ -272,6 +321,8 @@ class SparseTuning:
     num_warps: int
     num_stages: int
     num_splits: int
+    isolate_scores: bool = False
+    prefetch: int = 0
 
 
 def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms: int) -> int:
@@ -294,9 +345,10 @@ def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int
     64-head blocks (the wgmma M; fewer heads: a 16/32 block on mma.sync, 4 warps) and 64-key
     tiles. fp8 pages: Triton's pipeline with 5 stages, the fewest that double-buffer the gathered
     bytes (fewer leave one buffer and wait for each tile's loads right after issuing them); 215 KB
-    of shared memory on sm_90. bf16 rows go straight to the dot's shared-memory operand; 2 stages
-    timed best there (H200 sweep, docs/triton.md). 16-key tiles under the interpreter. Splits from
-    ``choose_num_splits``.
+    of shared memory on sm_90. bf16 rows go straight to the dot's shared-memory operand; 3 stages
+    timed best there (H200 sweep, docs/triton.md: prefill h=64 1.75 ms vs 2.37 ms with 2). The
+    ``isolate_scores`` / ``prefetch`` variants stay off (within a few percent on decode, slower
+    on prefill). 16-key tiles under the interpreter. Splits from ``choose_num_splits``.
     """
     block_heads = max(16, min(64, next_pow2(num_heads)))
     if INTERPRET:
@@ -304,7 +356,7 @@ def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int
     elif block_heads < 64:
         block_keys, num_stages = 32, 3
     else:
-        block_keys, num_stages = (64, 5) if fp8_rows else (64, 2)
+        block_keys, num_stages = (64, 5) if fp8_rows else (64, 3)
     splits = choose_num_splits(num_tokens, _cdiv(num_heads, block_heads), _cdiv(key_width, block_keys), num_sms)
     return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, num_stages, splits)
 
@@ -314,15 +366,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @cache
-def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
-    """(multiprocessors, hardware e4m3 cvt) of a device, looked up once (host overhead per call)."""
+def _device_facts(device_type: str, index: int | None) -> tuple[int, bool, bool]:
+    """(multiprocessors, hardware e4m3 cvt, RNE fp32 -> bf16 cast) of a device, looked up once."""
     if device_type != "cuda":
-        return 4, False
+        return 4, False, False
     props = torch.cuda.get_device_properties(index)
     # cvt e4m3x2 -> f16x2 exists on sm_89+; ROCm (FNUZ on gfx942), XPU and the interpreter decode in
     # integer arithmetic (exact everywhere, SPEC §9.1).
     hardware_e4m3 = not INTERPRET and torch.version.hip is None and (props.major, props.minor) >= (8, 9)
-    return props.multi_processor_count, hardware_e4m3
+    # CUDA's fp32 -> bf16 cvt rounds to nearest even, so probabilities need no integer rounding first.
+    rne_cvt = not INTERPRET and torch.version.hip is None
+    return props.multi_processor_count, hardware_e4m3, rne_cvt
 
 
 def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, int]:
@@ -357,13 +411,16 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      sink: torch.Tensor, *, softmax_scale: float, probs_bf16: bool,
                      num_splits: int | None = None, block_heads: int | None = None,
                      block_keys: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, split_probs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int | None = None, split_probs: bool | None = None,
+                     isolate_scores: bool | None = None,
+                     prefetch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch. q [T,H,D] bf16; indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32.
 
     Returns (out [T,H,D] bf16, lse [T,H] fp32). Inputs are assumed validated by the backend.
     The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``;
     ``split_probs`` forces (or disables) the hi/lo probability split of fp32-probability profiles,
-    which is on by default wherever the dots take bf16 operands.
+    which is on by default wherever the dots take bf16 operands; ``isolate_scores`` and ``prefetch``
+    select the kernel's ``ISOLATE_S`` / ``PREFETCH`` variants.
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty_like(q)
@@ -374,11 +431,13 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     swa_width = swa_indices.shape[1]
     ext_width = extra_indices.shape[1] if has_extra else 0
     index = q.device.index if q.device.index is not None or q.device.type != "cuda" else torch.cuda.current_device()
-    num_sms, hardware_e4m3 = _device_facts(q.device.type, index)
+    num_sms, hardware_e4m3, rne_cvt = _device_facts(q.device.type, index)
     tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
     bh = block_heads or tuning.block_heads
     bn = block_keys or tuning.block_keys
     head_blocks = _cdiv(num_heads, bh)
+    isolate = tuning.isolate_scores if isolate_scores is None else isolate_scores
+    prefetch = tuning.prefetch if prefetch is None else int(prefetch)
     # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
     repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
     keys = bn // repeat
@@ -399,20 +458,27 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).
     swa_i64, ext_i64 = swa_u8.view(torch.int64), ext_u8.view(torch.int64)
+    # Power-of-two pages (the usual case): the kernel takes log2 of the page size and shifts.
+    pow2 = all(b & (b - 1) == 0 for b in (swa.block_size, ext.block_size))
+    swa_args, ext_args = swa.kernel_args(), ext.kernel_args()
+    if pow2:
+        swa_args = (swa.block_size.bit_length() - 1, *swa_args[1:])
+        ext_args = (ext.block_size.bit_length() - 1, *ext_args[1:])
     launch = {}
     if not INTERPRET:
         launch["num_warps"] = num_warps or (8 if bh >= 64 else 4)
         launch["num_stages"] = num_stages or tuning.num_stages
     _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
         q, q.stride(0), q.stride(1),
-        swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa.kernel_args(),
-        ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext.kernel_args(),
+        swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa_args,
+        ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext_args,
         sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
         num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
         HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and hardware_e4m3,
         NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
         BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-        PROBS_BF16=probs_bf16, REPEAT=repeat, **launch)
+        PROBS_BF16=probs_bf16, REPEAT=repeat, POW2_BLOCKS=pow2, RNE_CVT=rne_cvt,
+        ISOLATE_S=isolate, PREFETCH=prefetch, **launch)
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, sink, out, out.stride(0), out.stride(1), lse, num_heads,

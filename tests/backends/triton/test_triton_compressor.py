@@ -118,3 +118,58 @@ def test_token_order(ratio: int, head_dim: int, out_format: str, profile: str, o
     assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
     written = out_slots[out_slots >= 0]
     assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
+
+
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile,fuse,pool_group", [
+    (4, 512, "fp8_ds_mla", "deepseek", True, 4),
+    (4, 128, "indexer_mxfp4", "deepseek", False, 1),
+    (128, 512, "fp8_ds_mla", "deepseek", True, 1),
+    (128, 512, "bf16", "vllm", True, 16),
+])
+def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_format: str, profile: str, fuse: bool,
+                                pool_group: int) -> None:
+    """Three calls of two requests whose chunks start at aligned and unaligned positions and token
+    indices, so that blocks are finished by the fused launch (whole window in this call at the
+    expected token indices), and by the state-pool launch (window spanning calls, groups not aligned
+    with the request), with either launch shape forced; each compared with the reference."""
+    import functools
+
+    from dsv4.backends.triton import compressor
+
+    monkeypatch.setattr(compressor, "compress_insert", functools.partial(
+        compressor.compress_insert, _fuse=fuse, _pool_group=pool_group))
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    state_block, out_block = 16, 4
+    # request 0: [0, a) [a, b) [b, c); request 1: [0, x) [x, y) [y, z) (token offsets then unaligned)
+    cuts = ([0, 13, 24, 33], [0, 3, 17, 22]) if ratio == 4 else ([0, 261, 262, 300], [0, 131, 140, 257])
+    length = max(cuts[0][-1], cuts[1][-1])
+    pages = length // state_block + 2
+    table = torch.randperm(2 * pages).view(2, pages).to(torch.int32)
+    out_pages = length // ratio // out_block + 1
+    out_table = torch.randperm(2 * out_pages).view(2, out_pages)
+    common = (torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(512))
+    state = torch.randn(2 * pages, state_block, width)
+    out_cache = poisoned_like(get_codec(out_format).allocate(2 * out_pages, out_block))
+    ref_state, ref_out = state.clone(), out_cache.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
+    written = []
+    for step in range(3):
+        positions = torch.cat([torch.arange(cuts[r][step], cuts[r][step + 1]) for r in range(2)])
+        token_request = torch.cat([torch.full((cuts[r][step + 1] - cuts[r][step],), r, dtype=torch.int32)
+                                   for r in range(2)])
+        state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+            + positions % state_block
+        entry = positions // ratio
+        out_slots = torch.where((positions + 1) % ratio == 0,
+                                out_table[token_request.long(), entry // out_block] * out_block + entry % out_block,
+                                -1)
+        written.append(out_slots[out_slots >= 0])
+        kv_score = torch.randn(positions.numel(), width) * 2
+        args = (kv_score, positions, token_request)
+        TritonBackend().compress_insert(*args, state, table, state_slots, common[0], common[1], common[2],
+                                        out_cache, out_slots, **kw)
+        reference.compress_insert(*args, ref_state, table, state_slots, common[0], common[1], common[2], ref_out,
+                                  out_slots, **kw)
+    assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
+    assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, torch.cat(written))

@@ -1,8 +1,8 @@
 """sparse_attention (SPEC §7): split-K decode and single-pass prefill vs the float64 reference.
 
-Every launch variant of the kernel (its own register pipeline or Triton's, key tile widths, the
-hi/lo probability split of fp32-probability profiles, key splits + combine) must compute the
-same function; each runs on fresh random caches with -1 entries, empty rows, a -inf sink and
+Every launch variant of the kernel (key tile widths, the hi/lo probability split of
+fp32-probability profiles, key splits + combine, the score-layout and prefetch variants) must compute
+the same function; each runs on fresh random caches with -1 entries, empty rows, a -inf sink and
 SWA / extra caches of different page sizes.
 """
 from __future__ import annotations
@@ -41,10 +41,11 @@ def _check(out, lse, out_ref, lse_ref, profile: str) -> None:
     assert_close("lse", lse, lse_ref, "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
 
 
-def _run_case(kv_format: str, profile: str, heads: int = 8, **tuning) -> None:
+def _run_case(kv_format: str, profile: str, heads: int = 8, extra_block: int = 8, **tuning) -> None:
     num_tokens = 4
     swa_cache = _filled_cache(kv_format, 3, 16)
-    extra_cache = _filled_cache(kv_format, 5, 8)  # another page size: per-tile page stride / scale offset
+    # Another page size: per-tile page stride / scale offset (not a power of two: the division path).
+    extra_cache = _filled_cache(kv_format, 40 // extra_block, extra_block)
     swa_idx, swa_lens = _indices(num_tokens, 24, 48)
     extra_idx, extra_lens = _indices(num_tokens, 40, 40)
     swa_lens[0], extra_lens[0] = 0, 0  # empty set: out 0, lse +inf
@@ -75,6 +76,20 @@ def test_matches_float64_reference(kv_format: str, profile: str, num_splits: int
 def test_split_probabilities_path(kv_format: str) -> None:
     # The GPU path of fp32-probability profiles (ascend): every key twice a tile, probabilities hi + lo.
     _run_case(kv_format, "ascend", split_probs=True, block_keys=16, num_splits=2)
+
+
+@pytest.mark.parametrize("isolate_scores,prefetch", [(True, 0), (False, 2), (True, 1)])
+def test_kernel_variants(isolate_scores: bool, prefetch: int) -> None:
+    # ISOLATE_S (score dot in its own region) and PREFETCH (next tile's loads in registers).
+    tuning = {"isolate_scores": isolate_scores, "prefetch": prefetch}
+    _run_case("fp8_ds_mla", "deepseek", num_splits=3, block_keys=16, **tuning)
+    _run_case("bf16", "ascend", split_probs=True, block_keys=16, **tuning)
+    _run_case("ascend_a5", "vllm", heads=5, block_keys=32, **tuning)
+
+
+def test_pages_not_power_of_two() -> None:
+    _run_case("fp8_ds_mla", "deepseek", extra_block=5, block_keys=16)
+    _run_case("bf16", "vllm", extra_block=10, block_keys=16, prefetch=2, num_splits=2)
 
 
 def test_wide_key_tiles_and_ascend_formats() -> None:
