@@ -142,8 +142,8 @@ SPARSE_DECODE_SWEEP: tuple[dict, ...] = (
     {"num_splits": 2},
 )
 SPARSE_PREFILL_SWEEP: tuple[dict, ...] = (
-    {},  # bf16 rows: 64-key tiles, 2 stages, 8 warps
-    {"num_stages": 3},
+    {},  # bf16 rows: 64-key tiles, 3 stages, 8 warps (the default)
+    {"num_stages": 2},
     {"block_keys": 32, "num_stages": 5},
 )
 
@@ -300,10 +300,17 @@ def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int 
     table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
     token_request = torch.arange(batch, dtype=torch.int32, device=device)
-    qs = [torch.randn(batch, 64, 128, device=device).to(torch.bfloat16) for _ in range(2)]
-    w = torch.randn(batch, 64, device=device)
-    layout = key_layout(key_format, cache)
     backend = TritonBackend()
+    # q and w as serving produces them: indexer_q of the key format's profile (FP4 / FP8-exact q, which
+    # takes the fp8 tensor-core path; arbitrary bf16 q would take the bf16 fallback).
+    profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
+    cs = _cos_sin(context, device)
+    served = [backend.indexer_q((torch.randn(batch, 64, 128, device=device) * 3).to(torch.bfloat16),
+                                torch.randn(batch, 64, device=device).to(torch.bfloat16), positions, cs,
+                                profile=profile) for _ in range(2)]
+    qs = [q for q, _ in served]
+    w = served[0][1]
+    layout = key_layout(key_format, cache)
 
     def logits_only(i: int):
         return indexer.indexer_logits(qs[i], w, positions, token_request, cache, layout, table, topk=topk, ratio=4)
@@ -346,6 +353,7 @@ def run_benchmarks(ceil: dict[str, float], tuning_decode: dict | None = None,
         lambda: bench_compressor(ceil, ratio=128),
         lambda: bench_compressor(ceil, head_dim=128, out_format="indexer_mxfp4"),
         lambda: bench_indexer_decode(ceil),
+        lambda: bench_indexer_decode(ceil, key_format="indexer_fp8"),
     ]
     for job in jobs:
         try:

@@ -147,7 +147,9 @@ def chk_indexer_q(profile: str):
     return f"q exact fraction {(q == rq).float().mean().item():.4f}"
 
 
-def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16):
+def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16, served_q: bool = False):
+    """Top-k rows vs float64 scores; ``served_q``: q and w from ``indexer_q`` of the key format's profile
+    (the fp8 tensor-core path; random bf16 q takes the bf16 path), plus every visible logit checked."""
     block = 64
     entries = context // 4
     pages = entries // block
@@ -161,7 +163,16 @@ def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: i
     req = torch.randint(0, 2, (t,), device=DEV, dtype=torch.int32)
     q = torch.randn(t, 64, 128, device=DEV).to(torch.bfloat16)
     w = torch.randn(t, 64, device=DEV)
+    if served_q:
+        profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
+        wts = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
+        q, w = B.indexer_q((q.float() * 3).to(torch.bfloat16), wts, pos, cos_sin(65536), profile=profile)
     out = B.indexer_topk(q, w, pos, req, cache, table, topk=topk, key_format=key_format).cpu()
+    worst = 0.0
+    if served_q:
+        from dsv4.backends.triton import indexer as tix
+        from dsv4.backends.triton.layout import key_layout
+        logits = tix.indexer_logits(q, w, pos, req, cache, key_layout(key_format, cache), table, topk=topk, ratio=4)
     for i in range(t):
         vis = int(pos[i] + 1) // 4
         row = out[i]
@@ -174,9 +185,13 @@ def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: i
         e = torch.arange(vis, device=DEV)
         es = table[r].long()[e // block] * block + e % block
         sc = indexer_scores(q[i:i + 1], w[i:i + 1], codec.read_rows(cache, es))[0].cpu()
+        if served_q:
+            err = float((logits[i, :vis].cpu().double() - sc.double()).abs().max() / sc.abs().max().clamp_min(1e-30))
+            assert err <= 1e-3, f"row {i}: logits off by {err:.2e} of the row maximum"
+            worst = max(worst, err)
         kth = sc.sort(descending=True).values[topk - 1]
         assert torch.all(sc[valid.long()] >= kth - 1e-3 * (sc.max() - sc.min())), f"row {i} picks a worse entry"
-    return ""
+    return f"max logit error {worst:.2e} of the row maximum" if served_q else ""
 
 
 def chk_output(fp8: bool):
@@ -349,6 +364,7 @@ def main() -> None:
         check(f"indexer_q {prof}", chk_indexer_q, prof)
     for fmt in ("indexer_mxfp4", "indexer_fp8"):
         check(f"indexer_topk {fmt}", chk_indexer_topk, fmt)
+        check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, served_q=True)
     for fp8 in (False, True):
         check(f"output_projection fp8={fp8}", chk_output, fp8)
     if "--quick" in sys.argv:  # correctness + the two decode rows with the kernel's default tuning only

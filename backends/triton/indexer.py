@@ -3,13 +3,16 @@
 ``indexer_q``: one program per (token, block of heads). ``indexer_topk``: a Triton kernel writes
 ``logit[t, j] = sum_h w[t,h] relu(q[t,h] . k[j])`` for every request-local entry j (keys read in
 place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)//r``): one program
-per (token, range of entries) holds q once and streams key tiles through the tensor cores. The
-top-k then runs as ``torch.topk`` over those logits (see docs/triton.md). Rows whose visible count
-is <= topk skip scoring (SPEC §6.3 short-context shortcut).
+per (token, range of entries) holds q once and streams key tiles through the tensor cores: e4m3
+codes on the fp8 MMAs when q is exactly e4m3 after a per-head power-of-two shift (FP4- or
+FP8-quantized q, as indexer_q leaves it), dequantized bf16 operands otherwise. ``topk.py`` then
+selects the top-k of each row. Rows whose visible count is <= topk skip scoring (SPEC §6.3
+short-context shortcut).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -25,8 +28,9 @@ from dsv4.backends.triton._common import (
     to_bf16,
 )
 from dsv4.backends.triton.layout import KeyLayout
+from dsv4.backends.triton.topk import topk_indices
 
-__all__ = ["indexer_logits", "indexer_q", "indexer_topk"]
+__all__ = ["indexer_logits", "indexer_q", "indexer_topk", "q_codes", "topk_indices"]
 
 _QUANT_FP4, _QUANT_FP8 = 0, 1
 
@@ -114,37 +118,231 @@ def _key_tile(u8_ptr, f32_ptr, page, in_page, valid, page_stride, value_bytes, s
 
 
 @triton.jit
-def _mxfp4_halves(u8_ptr, page, in_page, valid, page_stride, value_bytes, scale_offset, scale_bytes,
-                  BN: tl.constexpr, D: tl.constexpr, QBLOCK: tl.constexpr):
-    """(even, odd) elements [BN, D/2] fp32 (times 2**-14, see _key_tile) of mxfp4 keys: the low and
-    high nibbles of each byte, no interleave (the caller dots them with q's even / odd columns)."""
-    NB: tl.constexpr = D // QBLOCK
-    HB: tl.constexpr = QBLOCK // 2
+def _bf16_tiles(q_ptr, stride_qt, stride_qh, t, heads, head_ok, w, bt_row, u8_ptr, f32_ptr, block_size,
+                page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+                D: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr, QBLOCK: tl.constexpr,
+                HW_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Scores of entries [lo, scored_end) with dequantized keys and q as bf16 tensor-core operands
+    (any q); ``S^T = K q^T`` with the keys the register operand, relu and the weighted head sum fused."""
+    cols = tl.arange(0, D)
+    q_t = tl.trans(tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                           mask=head_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE))  # [D, HP]
+    score_scale = 16384.0 if MXFP4 else 1.0  # undoes the 2**-14 of the fp16 nibble decode (exact)
+    offs = tl.arange(0, BN)
+    for start in range(lo, scored_end, BN):
+        j = start + offs
+        valid = j < scored_end
+        page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
+        valid = valid & (page >= 0)
+        keys = _key_tile(u8_ptr, f32_ptr, page, j % block_size, valid, page_stride, value_bytes,
+                         scale_offset, scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
+        dots = tl.dot(keys.to(DOT_DTYPE), q_t)  # [BN, HP], fp32 accumulation
+        score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+        tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=j < hi)
+
+
+@triton.jit
+def _q_codes_kernel(q_ptr, stride_qt, stride_qh, w_ptr, num_heads, codes_ptr, w2_ptr, exact_ptr,
+                    D: tl.constexpr, HP: tl.constexpr, W_EXP: tl.constexpr):
+    """One program per token: q [heads, D] bf16 -> e4m3 codes q * 2**shift_h (uint8 [T, heads, D]),
+    w2 = w * 2**(W_EXP - shift_h) (fp32 [T, heads]) and exact[t] (int32: 1 when every code is exact).
+
+    shift_h puts the head's largest |q| in [256, 448] (or [128, 256) when 2**8 scaling would pass 448),
+    so an FP4-simulated q (e2m1 times a power of two per 32, ``deepseek``) and a per-128 e4m3 q
+    (``vllm``) are both exact; any other q gives exact 0 and the logits take the bf16 path.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HP)
+    head_ok = heads < num_heads
+    base = q_ptr + t * stride_qt + heads[:, None] * stride_qh + tl.arange(0, 32)[None, :]
+    amax = tl.zeros([HP], tl.float32)
+    for c in tl.static_range(D // 32):
+        q = tl.load(base + 32 * c, mask=head_ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(q), 1))
+    floor_log2 = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    shift = tl.where(amax > 0, tl.minimum(tl.maximum(8 - floor_log2, -100), 100), 0)
+    shift = tl.where(amax * pow2_from_exponent(shift) > 448.0, shift - 1, shift)
+    w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
+    w2 = w * pow2_from_exponent(W_EXP - shift)
+    tl.store(w2_ptr + t * num_heads + heads, w2, mask=head_ok)
+    ok = tl.min(((w2 * pow2_from_exponent(shift - W_EXP)) == w).to(tl.int32), 0)
+    out = codes_ptr + (t * num_heads + heads[:, None]) * D + tl.arange(0, 32)[None, :]
+    for c in tl.static_range(D // 32):
+        v = tl.load(base + 32 * c, mask=head_ok[:, None], other=0.0).to(tl.float32) * pow2_from_exponent(shift)[:, None]
+        codes = encode_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+        ok = tl.minimum(ok, tl.min(tl.min((decode_e4m3(codes) == v).to(tl.int32), 1), 0))
+        tl.store(out + 32 * c, codes, mask=head_ok[:, None])
+    tl.store(exact_ptr + t, ok)
+
+
+@triton.jit
+def _e4m3_operand(codes, DOT_DTYPE: tl.constexpr):
+    """uint8 e4m3 codes -> dot operand: the fp8 tensor itself on GPUs, exact fp32 values under the interpreter."""
+    if DOT_DTYPE == tl.float32:
+        return decode_e4m3(codes)
+    else:
+        return codes.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _q_operand(codes_row, heads, head_ok, col0, D: tl.constexpr, DB: tl.constexpr, KPERM: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """Columns [col0, col0 + DB) of a token's q codes (uint8 [heads, D]) as the dot operand [DB, HP];
+    KPERM: in the key tile's permuted order (operand row lohi*DB/2 + 4c + m = element 8c + 2m + lohi)."""
+    k = tl.arange(0, DB)
+    if KPERM:
+        k = 8 * ((k % (DB // 2)) // 4) + 2 * (k % 4) + k // (DB // 2)
+    codes = tl.load(codes_row + heads[:, None] * D + col0 + k[None, :], mask=head_ok[:, None], other=0)
+    return tl.trans(_e4m3_operand(codes, DOT_DTYPE))
+
+
+@triton.jit
+def _word_bytes(words, BN: tl.constexpr, NW: tl.constexpr):
+    """int32 words [BN, NW] -> their bytes uint8 [BN, 4 * NW], little-endian (each word's bytes stay in
+    one thread, so the compiler reuses the word's register as the packed bytes)."""
+    b01 = tl.join((words & 255).to(tl.uint8), ((words >> 8) & 255).to(tl.uint8))
+    b23 = tl.join(((words >> 16) & 255).to(tl.uint8), ((words >> 24) & 255).to(tl.uint8))
+    return tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), (BN, 4 * NW))
+
+
+@triton.jit
+def _e2m1_as_e4m3(words, BN: tl.constexpr, HB: tl.constexpr, KPERM: tl.constexpr):
+    """[BN, 2*HB] uint8 e4m3 codes of packed mxfp4 bytes (int32 words [BN, HB/4]): nibble c ->
+    ((c & 8) << 4) | ((c & 7) << 2), whose e4m3 value is e2m1(c) * 2**-6 exactly (normal and subnormal
+    codes); low nibble first (SPEC §9.3). Four bytes at a time (5 integer ops a word and half).
+    KPERM: columns [low nibbles of bytes 4c..4c+3 for each c | high nibbles likewise] (each register of
+    codes is an operand register as is; q's columns follow the same order, see _q_operand)."""
+    sign = -2139062144  # 0x80808080
+    lo = _word_bytes(((words << 4) & sign) | ((words << 2) & 0x1C1C1C1C), BN, HB // 4)
+    hi = _word_bytes((words & sign) | ((words >> 2) & 0x1C1C1C1C), BN, HB // 4)
+    if KPERM:
+        pair = tl.join(tl.reshape(lo, (BN, HB // 4, 4)), tl.reshape(hi, (BN, HB // 4, 4)))  # [BN, c, m, lohi]
+        return tl.reshape(tl.permute(pair, (0, 3, 1, 2)), (BN, 2 * HB))
+    return tl.reshape(tl.join(lo, hi), (BN, 2 * HB))
+
+
+@triton.jit
+def _tile_rows(bt_row, start, scored_end, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
+               BN: tl.constexpr, PAGE_TILE: tl.constexpr):
+    """Entries [start, start + BN): (valid [BN], value byte offsets int64 [BN], scale word index int64 [BN])."""
+    offs = tl.arange(0, BN)
+    j = start + offs
+    if PAGE_TILE:  # the tile lies in one page: one page-table load, no per-entry division
+        page = tl.load(bt_row + start // block_size, mask=start < scored_end, other=-1)
+        valid = j < tl.where(page >= 0, scored_end, start)  # an unmapped page: nothing valid
+        in_page = start % block_size + offs
+    else:
+        valid = j < scored_end
+        page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
+        valid = valid & (page >= 0)
+        in_page = j % block_size
     page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
-    blk = tl.arange(0, NB)
-    byte_idx = blk[None, :, None] * HB + tl.arange(0, HB)[None, None, :]
-    raw = tl.load(u8_ptr + (page_base + in_page * value_bytes)[:, None, None] + byte_idx,
-                  mask=valid[:, None, None], other=0)
-    b = raw.to(tl.int32)
-    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_byte = tl.load(u8_ptr + (page_base + scale_offset + in_page * scale_bytes)[:, None] + blk[None, :],
-                         mask=valid[:, None], other=127)
-    factor = (scale_byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    return tl.reshape(lo * factor, (BN, D // 2)), tl.reshape(hi * factor, (BN, D // 2))
+    return valid, page_base + in_page * value_bytes, (page_base + scale_offset + in_page * scale_bytes) // 4
+
+
+@triton.jit
+def _tile_loads(i32_ptr, f32_ptr, valid, row_base, scale_idx, BN: tl.constexpr, NB: tl.constexpr,
+                HB: tl.constexpr):
+    """The tile's bytes as NB (1 or 4) int32 tensors [BN, HB / 4] (one per scale block) and its scale word [BN]."""
+    base = i32_ptr + (row_base // 4)[:, None] + tl.arange(0, HB // 4)[None, :]
+    r0 = tl.load(base, mask=valid[:, None], other=0)
+    if NB == 4:
+        r1 = tl.load(base + HB // 4, mask=valid[:, None], other=0)
+        r2 = tl.load(base + 2 * (HB // 4), mask=valid[:, None], other=0)
+        r3 = tl.load(base + 3 * (HB // 4), mask=valid[:, None], other=0)
+    else:
+        r1 = r0
+        r2 = r0
+        r3 = r0
+    return r0, r1, r2, r3, tl.load(f32_ptr + scale_idx, mask=valid, other=0.0)
+
+
+@triton.jit
+def _tile_scores(r0, r1, r2, r3, sword, q0, q1, q2, q3, w2, BN: tl.constexpr, HB: tl.constexpr,
+                 MXFP4: tl.constexpr, KPERM: tl.constexpr, IMPRECISE: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """[BN] scores of one tile from its loaded bytes (see _fp8_tiles)."""
+    if MXFP4:
+        sbits = sword.to(tl.int32, bitcast=True)
+        k0 = _e4m3_operand(_e2m1_as_e4m3(r0, BN, HB, KPERM), DOT_DTYPE)
+        acc = tl.dot(k0, q0) * ((sbits & 255) << 23).to(tl.float32, bitcast=True)[:, None]
+        k1 = _e4m3_operand(_e2m1_as_e4m3(r1, BN, HB, KPERM), DOT_DTYPE)
+        acc += tl.dot(k1, q1) * (((sbits >> 8) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
+        k2 = _e4m3_operand(_e2m1_as_e4m3(r2, BN, HB, KPERM), DOT_DTYPE)
+        acc += tl.dot(k2, q2) * (((sbits >> 16) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
+        k3 = _e4m3_operand(_e2m1_as_e4m3(r3, BN, HB, KPERM), DOT_DTYPE)
+        acc += tl.dot(k3, q3) * (((sbits >> 24) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
+    else:
+        codes = _word_bytes(r0, BN, HB // 4)
+        acc = tl.dot(_e4m3_operand(codes, DOT_DTYPE), q0, max_num_imprecise_acc=IMPRECISE) * sword[:, None]
+    return tl.sum(tl.maximum(acc, 0.0) * w2[None, :], 1)
+
+
+@triton.jit
+def _fp8_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size,
+               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+               D: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr, QBLOCK: tl.constexpr,
+               IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, KPERM: tl.constexpr,
+               PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Scores of entries [lo, scored_end) from e4m3 codes on the fp8 tensor cores (q exact, see _q_codes_kernel).
+
+    mxfp4: per 32-block b, ``D_b = codes_k[:, b] @ codes_q[b]^T`` (one K=32 MMA, e2m1 x e2m1 products
+    summed exactly) and ``acc += D_b * 2**(s_jb - 127)`` in fp32. fp8 keys: one K=128 MMA on the stored
+    codes (IMPRECISE: K elements per tensor-core partial sum) times the row's fp32 scale. Then
+    ``score = sum_h w2_h relu(acc)`` with q's shift (and the 2**-6 of the code map) folded into w2.
+    PREFETCH (1 or 2): tiles whose bytes are loaded ahead into registers (the loop's latency hiding).
+    """
+    offs = tl.arange(0, BN)
+    if MXFP4:
+        tl.static_assert(D // QBLOCK == 4, "mxfp4 fp8 path: four scale blocks a key")
+        NB: tl.constexpr = 4
+        HB: tl.constexpr = QBLOCK // 2  # packed bytes a scale block
+        q0 = _q_operand(codes_row, heads, head_ok, 0, D, QBLOCK, KPERM, DOT_DTYPE)
+        q1 = _q_operand(codes_row, heads, head_ok, QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
+        q2 = _q_operand(codes_row, heads, head_ok, 2 * QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
+        q3 = _q_operand(codes_row, heads, head_ok, 3 * QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
+    else:
+        NB: tl.constexpr = 1
+        HB: tl.constexpr = D
+        q0 = _q_operand(codes_row, heads, head_ok, 0, D, D, False, DOT_DTYPE)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    i32_ptr = f32_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    geometry = (scored_end, block_size, page_stride, value_bytes, scale_offset, scale_bytes)
+    va, ra, sa = _tile_rows(bt_row, lo, *geometry, BN, PAGE_TILE)
+    a0, a1, a2, a3, aw = _tile_loads(i32_ptr, f32_ptr, va, ra, sa, BN, NB, HB)
+    if PREFETCH == 2:
+        vb, rb, sb = _tile_rows(bt_row, lo + BN, *geometry, BN, PAGE_TILE)
+        b0, b1, b2, b3, bw = _tile_loads(i32_ptr, f32_ptr, vb, rb, sb, BN, NB, HB)
+    for start in range(lo, scored_end, BN):
+        # issue the loads PREFETCH tiles ahead (masked off past the end), then score the current tile
+        vc, rc, sc = _tile_rows(bt_row, start + PREFETCH * BN, *geometry, BN, PAGE_TILE)
+        c0, c1, c2, c3, cw = _tile_loads(i32_ptr, f32_ptr, vc, rc, sc, BN, NB, HB)
+        score = _tile_scores(a0, a1, a2, a3, aw, q0, q1, q2, q3, w2, BN, HB, MXFP4, KPERM, IMPRECISE,
+                             DOT_DTYPE)
+        j = start + offs
+        tl.store(out_row + j, tl.where(va, score, float("-inf")), mask=j < hi)
+        if PREFETCH == 2:
+            va, a0, a1, a2, a3, aw = vb, b0, b1, b2, b3, bw
+            vb, b0, b1, b2, b3, bw = vc, c0, c1, c2, c3, cw
+        else:
+            va, a0, a1, a2, a3, aw = vc, c0, c1, c2, c3, cw
 
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
                            u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
-                           logits, max_entries, chunk, ratio, topk, num_heads,
+                           logits, max_entries, chunk, ratio, topk, num_heads, codes_ptr, w2_ptr, exact_ptr,
                            D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
-                           QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, KEYS_AS_A: tl.constexpr,
-                           SPLIT_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key
-    tiles, each ``S^T = K q^T`` (KEYS_AS_A: the dequantized keys are the register operand) or
-    ``S = q K^T`` on the tensor cores with relu and the weighted head sum fused; keys are read once
-    from their pages (the bytes floor), logits written once."""
+                           QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
+                           IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, KPERM: tl.constexpr,
+                           PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key tiles
+    through the tensor cores with relu and the weighted head sum fused; keys are read once from their
+    pages (the bytes floor), logits written once. FP8: e4m3 codes on the fp8 MMAs when the token's q is
+    exactly representable (``exact_ptr``, see _q_codes_kernel; always for FP4- / FP8-quantized q), else
+    the bf16 path."""
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * chunk
     hi = tl.minimum(lo + chunk, max_entries)
@@ -158,44 +356,26 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
             tl.store(out_row + j, tl.where(j < visible, 0.0, float("-inf")), mask=j < hi)
     else:
         scored_end = tl.minimum(hi, visible)
-        request = tl.load(token_request + t).to(tl.int64)
+        bt_row = block_table + tl.load(token_request + t).to(tl.int64) * stride_bt
         heads = tl.arange(0, HP)
         head_ok = heads < num_heads
-        cols = tl.arange(0, D)
-        q_hd = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], mask=head_ok[:, None],
-                       other=0.0).to(tl.float32).to(DOT_DTYPE)  # [HP, D], loaded once per program
-        if KEYS_AS_A:
-            q_t = tl.trans(q_hd)
-        if SPLIT_DOT:
-            # mxfp4: q's even / odd columns [D/2, HP] against the low / high nibbles (no interleave).
-            half = tl.arange(0, D // 2)
-            q_base = q_ptr + t * stride_qt + heads[None, :] * stride_qh + 2 * half[:, None]
-            q_even = tl.load(q_base, mask=head_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-            q_odd = tl.load(q_base + 1, mask=head_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-        w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
-        score_scale = 16384.0 if MXFP4 else 1.0  # undoes the 2**-14 of the fp16 nibble decode (exact)
-        for start in range(lo, scored_end, BN):
-            j = start + offs
-            valid = j < scored_end
-            page = tl.load(block_table + request * stride_bt + j // block_size, mask=valid, other=-1)
-            valid = valid & (page >= 0)
-            if SPLIT_DOT:
-                even, odd = _mxfp4_halves(u8_ptr, page, j % block_size, valid, page_stride, value_bytes,
-                                          scale_offset, scale_bytes, BN, D, QBLOCK)
-                dots = tl.dot(even.to(DOT_DTYPE), q_even)
-                dots = tl.dot(odd.to(DOT_DTYPE), q_odd, dots)  # [BN, HP], fp32 accumulation
-                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
-            elif KEYS_AS_A:
-                keys = _key_tile(u8_ptr, f32_ptr, page, j % block_size, valid, page_stride, value_bytes,
-                                 scale_offset, scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
-                dots = tl.dot(keys.to(DOT_DTYPE), q_t)  # [BN, HP], fp32 accumulation
-                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * score_scale
+        if FP8:
+            if tl.load(exact_ptr + t) != 0:
+                w2 = tl.load(w2_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
+                _fp8_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr,
+                           block_size, page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo,
+                           scored_end, hi, D, BN, MXFP4, QBLOCK, IMPRECISE, PAGE_TILE, KPERM, PREFETCH,
+                           DOT_DTYPE)
             else:
-                keys = _key_tile(u8_ptr, f32_ptr, page, j % block_size, valid, page_stride, value_bytes,
-                                 scale_offset, scale_bytes, BN, D, MXFP4, QBLOCK, HW_E4M3)
-                dots_t = tl.dot(q_hd, tl.trans(keys.to(DOT_DTYPE)))  # [HP, BN]
-                score = tl.sum(tl.maximum(dots_t, 0.0) * w[:, None], 0) * score_scale
-            tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=j < hi)
+                w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
+                _bf16_tiles(q_ptr, stride_qt, stride_qh, t, heads, head_ok, w, bt_row, u8_ptr, f32_ptr, block_size,
+                            page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+                            D, BN, MXFP4, QBLOCK, HW_E4M3, DOT_DTYPE)
+        else:
+            w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
+            _bf16_tiles(q_ptr, stride_qt, stride_qh, t, heads, head_ok, w, bt_row, u8_ptr, f32_ptr, block_size,
+                        page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+                        D, BN, MXFP4, QBLOCK, HW_E4M3, DOT_DTYPE)
         # Entries past the visible count (this range's tail): -inf.
         tail = tl.maximum(scored_end, lo)
         tail = lo + ((tail - lo) // BN) * BN  # tile-aligned; re-writes a partial tile's -inf, same values
@@ -227,26 +407,41 @@ def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
 
 @functools.cache
 def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
-    """(multiprocessors, hardware e4m3 cvt) of a device, looked up once (host overhead per call)."""
+    """(multiprocessors, hardware e4m3: cvt and fp8 MMAs) of a device, looked up once (host overhead per call)."""
     if device_type != "cuda" or INTERPRET:
         return 4, False
     props = torch.cuda.get_device_properties(index)
-    # cvt e4m3x2 exists on sm_89+ CUDA; ROCm (FNUZ e4m3 on gfx942) uses the exact integer decode.
+    # e4m3 cvt and MMAs exist on sm_89+ CUDA; ROCm (FNUZ e4m3 on gfx942) uses the exact integer decode.
     return props.multi_processor_count, torch.version.hip is None and (props.major, props.minor) >= (8, 9)
+
+
+def q_codes(q: torch.Tensor, w: torch.Tensor, *, mxfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, heads, D] bf16, w [T, heads] fp32 -> (e4m3 codes uint8 [T, heads, D], w2 fp32 [T, heads],
+    exact int32 [T]); see ``_q_codes_kernel`` (mxfp4: the 2**-6 of the nibble map folded into w2)."""
+    num_tokens, heads, dim = q.shape
+    codes = torch.empty((num_tokens, heads, dim), dtype=torch.uint8, device=q.device)
+    w2 = torch.empty((num_tokens, heads), dtype=torch.float32, device=q.device)
+    exact = torch.empty((num_tokens,), dtype=torch.int32, device=q.device)
+    if num_tokens:
+        _q_codes_kernel[(num_tokens,)](q, q.stride(0), q.stride(1), w, heads, codes, w2, exact, D=dim,
+                                       HP=max(16, triton.next_power_of_2(heads)), W_EXP=6 if mxfp4 else 0)
+    return codes, w2, exact
 
 
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None,
-                   keys_as_a: bool = True, split_dot: bool = False) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
+                   imprecise: int | None = None, maxnreg: int | None = None, kperm: bool = True,
+                   prefetch: int = 1) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
-    ``block_entries`` (key tile), ``num_splits`` (entry ranges per token), ``num_warps`` and
-    ``num_stages``, ``keys_as_a`` (dot orientation), ``split_dot`` (mxfp4: even/odd dots instead of
-    an interleaved key tile) are tuning knobs for benchmarks; the default
-    grid fills the device's multiprocessors.
+    ``fp8``: e4m3 codes on the fp8 tensor cores where q is exact (default: where the device has fp8
+    MMAs, and under the interpreter); ``imprecise``: fp8 keys' K elements a tensor-core partial sum
+    (default 32: fp32 sums of K=32 partial products, as DeepSeek's promotion; 128: one partial sum). ``block_entries`` (key tile), ``num_splits`` (entry ranges per token),
+    ``num_warps``, ``num_stages`` and ``maxnreg`` are tuning knobs for benchmarks; the default grid fills
+    the device.
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
@@ -254,33 +449,54 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     if num_tokens == 0 or max_entries == 0:
         return logits
     sms, hw_e4m3 = _device_facts(q.device.type, q.device.index)
+    mxfp4 = layout.format_name == "indexer_mxfp4"
+    if fp8 is None:
+        fp8 = hw_e4m3 or INTERPRET
+    # The fp8 path reads 4-byte scale words and assumes four scale blocks a key (SPEC §9.3 geometry).
+    fp8 = bool(fp8) and (hw_e4m3 or INTERPRET) and key_cache.shape[1] % 4 == 0 and layout.scale_offset % 4 == 0 \
+        and layout.value_bytes % 4 == 0 \
+        and (not mxfp4 or (dim // layout.quant_block == 4 and layout.scale_bytes == 4))
     bn = block_entries or (32 if INTERPRET else 64)
     tiles = -(-max_entries // bn)
-    # ~16 programs per multiprocessor (H200 sweep: 4 -> 0.44 ms, 16 -> 0.38 ms at b=128, 128K), but at
-    # least 4 tiles each (q is loaded once per program).
-    splits = num_splits or max(1, min(-(-16 * sms // num_tokens), tiles // 4))
+    # Programs per multiprocessor (at least 4 tiles each: q is read once a program). H200, b=128 at 128K
+    # (graph ms): bf16 path 4/SM 0.44, 16/SM 0.38; fp8 mxfp4 splits 17: 0.297, 9: 0.267, 6: 0.253,
+    # 4: 0.247; fp8 keys 17: 0.239, 9: 0.229, 6: 0.226.
+    target = ((4 if mxfp4 else 6) if fp8 else 16) * sms / num_tokens
+    splits = num_splits or max(1, min(round(target) if fp8 else math.ceil(target), tiles // 4))
     chunk = -(-tiles // splits) * bn
     splits = -(-max_entries // chunk)
     q = q.contiguous()
     w = w.contiguous()
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
-    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": num_stages or 3}
+    hp = max(16, triton.next_power_of_2(heads))
+    codes, w2, exact = q_codes(q, w, mxfp4=mxfp4) if fp8 else (q, w, w)
+    # the fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after issuing it)
+    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": num_stages or (1 if fp8 else 3)}
+    if maxnreg and not INTERPRET:
+        extra["maxnreg"] = maxnreg
     _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads,
-        D=dim, HP=max(16, triton.next_power_of_2(heads)), BN=bn, MXFP4=layout.format_name == "indexer_mxfp4",
-        QBLOCK=layout.quant_block, HW_E4M3=hw_e4m3, KEYS_AS_A=keys_as_a,
-        SPLIT_DOT=split_dot and layout.format_name == "indexer_mxfp4", DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
+        key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads, codes, w2, exact,
+        D=dim, HP=hp, BN=bn, MXFP4=mxfp4, QBLOCK=layout.quant_block,
+        HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
+        PAGE_TILE=layout.block_size % bn == 0, KPERM=bool(kperm), PREFETCH=prefetch,
+        DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                  key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
-                 topk: int, ratio: int) -> torch.Tensor:
-    """[T, topk] int32 request-local indices, valid first, -1 padded (SPEC §6.3)."""
+                 topk: int, ratio: int, select: str = "triton", **tuning) -> torch.Tensor:
+    """[T, topk] int32 request-local indices, valid first, -1 padded (SPEC §6.3).
+
+    ``select``: "triton" (``topk_indices``; H200 b=128 x 32768: 0.046 ms vs torch.topk 0.117 ms) or
+    "torch" (``torch.topk``); ``tuning`` goes to indexer_logits.
+    """
     num_tokens = q.shape[0]
     logits = indexer_logits(q, w, positions, token_request, key_cache, layout, key_block_table,
-                            topk=topk, ratio=ratio)
+                            topk=topk, ratio=ratio, **tuning)
+    if select == "triton":
+        return topk_indices(logits, topk)
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     k = min(topk, logits.shape[1])
     if num_tokens == 0 or k == 0:

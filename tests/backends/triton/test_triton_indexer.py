@@ -108,23 +108,41 @@ def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_sp
         assert (got[finite] - expected[finite]).abs().max() <= 1e-5 * scale, f"token {t}"
 
 
-def test_indexer_logits_orientations_agree() -> None:
-    """Both dot orientations (keys as A or B operand) and the even/odd split dot give the same logits."""
-    from dsv4.backends.triton.indexer import indexer_logits
+@pytest.mark.parametrize("key_format", ["indexer_mxfp4", "indexer_fp8"])
+def test_indexer_logits_fp8_path(key_format: str) -> None:
+    """q as indexer_q leaves it (FP4 / FP8 codes) takes the e4m3 path (both key orders), random bf16 q the
+    bf16 path; every path matches the float64 reference and the bf16 path on the same inputs."""
+    from dsv4.backends.triton.indexer import indexer_logits, q_codes
     from dsv4.backends.triton.layout import key_layout
 
-    codec = get_codec("indexer_mxfp4")
+    profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
+    codec = get_codec(key_format)
     cache = codec.allocate(4, 16)
-    codec.write_rows(cache, torch.arange(64), torch.randn(64, 128))
+    scale = torch.exp2(torch.randint(-12, 13, (64, 4)).float()).repeat_interleave(32, 1)
+    codec.write_rows(cache, torch.arange(64), torch.randn(64, 128) * scale)
     table = torch.randperm(4).view(1, 4).to(torch.int32)
-    q = torch.randn(2, 64, 128).to(torch.bfloat16)
-    w = torch.randn(2, 64)
-    args = (q, w, torch.tensor([255, 130]), torch.zeros(2, dtype=torch.int32), cache,
-            key_layout("indexer_mxfp4", cache), table)
-    a = indexer_logits(*args, topk=4, ratio=4, keys_as_a=True)
-    b = indexer_logits(*args, topk=4, ratio=4, keys_as_a=False, block_entries=16, num_splits=2)
-    c = indexer_logits(*args, topk=4, ratio=4, split_dot=True, block_entries=32, num_splits=3)
-    assert torch.isfinite(a[0]).all() and int(torch.isfinite(a[1]).sum()) == 32
-    atol = 1e-5 * float(a[torch.isfinite(a)].abs().max())
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
-    torch.testing.assert_close(a, c, rtol=1e-5, atol=atol)
+    positions = torch.tensor([255, 130, 200])
+    raw_q = (torch.randn(3, 64, 128) * 3).to(torch.bfloat16)
+    q, w = reference.indexer_q(raw_q, torch.randn(3, 64).to(torch.bfloat16), positions, cos_sin_table(256),
+                               profile=profile)
+    q[2, 5] = 0.0  # an all-zero head
+    mxfp4 = key_format == "indexer_mxfp4"
+    assert q_codes(q, w, mxfp4=mxfp4)[2].tolist() == [1, 1, 1]
+    assert q_codes(raw_q, w, mxfp4=mxfp4)[2].tolist() == [0, 0, 0]
+    layout = key_layout(key_format, cache)
+    args = (positions, torch.zeros(3, dtype=torch.int32), cache, layout, table)
+    rows = codec.read_rows(cache, table[0].long().repeat_interleave(16) * 16 + torch.arange(64) % 16).double()
+    for qq in (q, raw_q):
+        expected = indexer_scores(qq.double(), w.double(), rows)
+        expected[1, 32:] = float("-inf")  # (130 + 1) // 4 = 32 visible
+        expected[2, 50:] = float("-inf")
+        runs = [indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=False, block_entries=32),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, block_entries=16, num_splits=3),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, kperm=False, block_entries=32),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, prefetch=1, imprecise=128, block_entries=32,
+                               num_splits=2)]
+        for got in runs:
+            assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+            finite = torch.isfinite(expected)
+            atol = 1e-5 * float(expected[finite].abs().max())
+            torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-5, atol=atol)
