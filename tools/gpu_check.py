@@ -364,7 +364,7 @@ def main() -> None:
         check(f"indexer_q {prof}", chk_indexer_q, prof)
     for fmt in ("indexer_mxfp4", "indexer_fp8"):
         check(f"indexer_topk {fmt}", chk_indexer_topk, fmt)
-        check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, served_q=True)
+        check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, 512, 8192, 16, True)
     for fp8 in (False, True):
         check(f"output_projection fp8={fp8}", chk_output, fp8)
     if "--quick" in sys.argv:  # correctness + the two decode rows with the kernel's default tuning only
