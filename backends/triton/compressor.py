@@ -9,10 +9,11 @@ Two launches over all T tokens (prefill and decode tokens mixed), no order pre-p
   state slot, so the shortcut equals reading the state), pools the block from the rows it already
   holds in registers (r = 4: plus the previous block's half columns, re-read from ``kv_score`` in
   L2) and finishes it: norm, RoPE, Hadamard, quantize, write. It never reads the state, so no
-  program depends on another's writes. A per-group flag records which blocks it finished.
+  program depends on another's writes. A per-group flag records whether it finished the block and how
+  many closing tokens it left.
 - ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, requests
   not aligned with the groups, out-of-order batches) pools its window from the state, now
-  complete (a later launch), and finishes it. For an aligned prefill it only reads the flags.
+  complete (a later launch), and finishes it. For an aligned prefill it only reads the flags (one load).
 
 r = 4 pools in two passes over the 8 rows in registers; r = 128 streams its 128 rows in chunks of
 R rows with an online (rescaled) softmax, so the pooled row stays in registers.
@@ -26,11 +27,9 @@ from dsv4.backends.triton._common import (
     INTERPRET,
     ceil_log2_exponent,
     encode_e4m3,
-    fp4_code,
     next_pow2,
     pow2_from_exponent,
     round_bf16,
-    simulate_fp4,
 )
 from dsv4.backends.triton.layout import KeyLayout, LatentLayout
 from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
@@ -39,6 +38,17 @@ __all__ = ["compress_insert"]
 
 # Output kinds of _finish.
 _OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
+
+
+@triton.jit
+def _sylvester(N: tl.constexpr):
+    """[N, N] fp32 Sylvester Hadamard matrix of +-1 (N <= 256): (-1)^popcount(i & j)."""
+    i = tl.arange(0, N)
+    x = i[:, None] & i[None, :]
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
 
 
 @triton.jit
@@ -70,13 +80,12 @@ def _finish(c, p, out_slot, norm_weight, cos_sin, stride_cs, hadamard, hadamard_
     if HADAMARD:
         # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round. Sylvester H_D = H_A (x) H_B
         # (D = A*B, index a*B + b), so H x = vec(H_A X H_B) with X = x as [A, B]: A*B*(A+B) products
-        # instead of D*D, and only H_B = H[:B, :B] and H_A[a, c] = H[a*B, c*B] are read.
+        # instead of D*D. Both factors are Sylvester matrices, H[i, j] = (-1)^popcount(i & j): built from
+        # bits in registers (no loads, no layout conversions of loaded tiles); ``hadamard`` is not read.
         HB: tl.constexpr = D // HAD_A
         x = tl.reshape(row, (HAD_A, HB))
-        ia = tl.arange(0, HAD_A)
-        ib = tl.arange(0, HB)
-        h_b = tl.load(hadamard + ib[:, None] * D + ib[None, :])
-        h_a = tl.load(hadamard + (ia[:, None] * HB) * D + ia[None, :] * HB)
+        h_b = _sylvester(HB)
+        h_a = _sylvester(HAD_A)
         y = tl.sum(x[:, :, None] * h_b[None, :, :], 1)  # [A, B] = X @ H_B
         z = tl.sum(h_a[:, :, None] * y[None, :, :], 1)  # [A, B] = H_A @ (X @ H_B)
         row = round_bf16(tl.reshape(z, (D,)) * hadamard_scale)
@@ -101,13 +110,24 @@ def _finish(c, p, out_slot, norm_weight, cos_sin, stride_cs, hadamard, hadamard_
             amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
             e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
             scaled = blocks * pow2_from_exponent(-e)[:, None]
-            q = simulate_fp4(scaled)
-            code = fp4_code(tl.abs(q)) | ((q < 0) | ((q == 0) & (scaled < 0))).to(tl.int32) * 8
+            code = _e2m1_code(scaled)
             low, high = tl.split(tl.reshape(code, (D // 2, 2)))
             tl.store(u8_ptr + page_base + in_page * token_stride + tl.arange(0, D // 2),
                      (low | (high << 4)).to(tl.uint8))
             tl.store(u8_ptr + page_base + scale_offset + in_page * scale_stride + tl.arange(0, D // QBLOCK),
                      (e + 127).to(tl.uint8))
+
+
+@triton.jit
+def _e2m1_code(x):
+    """Scaled fp32 x -> 4-bit e2m1 code (sign << 3 | index in {0,.5,1,1.5,2,3,4,6}), round to nearest
+    even, saturating at 6: the code of ``simulate_fp4`` (SPEC §6.6), from bits. |x| >= 1: round the
+    mantissa to one bit (RNE on the bits), code = 2 * (exponent + 1) + bit; |x| < 1: code = rne(2|x|)."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    high = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
+    low = ((a * 2.0 + 8388608.0) - 8388608.0).to(tl.int32)  # 2|x| < 2: adding 2**23 rounds to even
+    return tl.where(a < 1.0, low, high) | (x < 0).to(tl.int32) * 8
 
 
 @triton.jit
@@ -122,14 +142,24 @@ def _online(m, s, acc, kv, score):
 
 @triton.jit
 def _row(x, k, N: tl.constexpr):
-    """Row k of an [N, D] tile, exactly (one value plus zeros)."""
-    return tl.sum(tl.where(tl.arange(0, N)[:, None] == k, x, 0.0), 0)
+    """Row k of an [N, D] fp32 tile, exactly: an integer sum of its bits and zeros, which the compiler folds
+    away (an fp32 ``x + 0.0`` stays an add)."""
+    bits = tl.where(tl.arange(0, N)[:, None] == k, x.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, 0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _splat(flag, like):
     """Scalar bool -> bool tensor shaped like ``like`` (the CPU interpreter turns scalar & tensor into ints)."""
     return (flag.to(tl.int32) + tl.zeros_like(like).to(tl.int32)) != 0
+
+
+@triton.jit
+def _store_flag(ptr, fast, closing):
+    """Group flag (int8): bit 0 = block finished here, bits 1.. = closing tokens left to the second launch
+    (``closing`` [n] bool / int32 counts of the group's closing tokens; a fast group has only its last one)."""
+    left = tl.sum(closing.to(tl.int32), 0) - fast.to(tl.int32)
+    tl.store(ptr, (fast.to(tl.int32) | (tl.minimum(left, 63) << 1)).to(tl.int8))
 
 
 @triton.jit
@@ -140,7 +170,7 @@ def _window_in_call(t_first, q, live, request, positions, token_request, slot_ma
     ape is exactly the state row the reference would read)."""
     u = t_first + tl.arange(0, N)
     maybe = live & (u >= 0)
-    q_safe = tl.where(live, q, 0)
+    q_safe = tl.where(live, q, 0).to(tl.int32)  # 32-bit division (positions < 2**31): no 64-bit call
     page = tl.load(block_table + request * stride_bt + q_safe // state_block_size, mask=live, other=0)
     rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
     hit = maybe & (tl.load(positions + u, mask=maybe, other=-1) == q)
@@ -175,41 +205,47 @@ def _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, bl
 
 @triton.jit
 def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping, out_slot_mapping, state, ape,
-                      stride_ape, block_table, stride_bt, state_block_size, fused, num_tokens,
+                      stride_ape, block_table, stride_bt, state_block_size: tl.constexpr, fused, num_tokens,
                       norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
-                      u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
-                      scale_offset, scale_stride,
+                      u8_ptr, bf16_ptr, block_size: tl.constexpr, page_stride, token_stride, nope_offset,
+                      rope_offset, scale_offset, scale_stride,
                       RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-                      FUSE: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                      FUSE: tl.constexpr, EARLY: tl.constexpr,
+                      NOPE: tl.constexpr, ROPE: tl.constexpr,
                       QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
                       DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
     """Program g: the G tokens from g*G. Saves their state rows [kv | score + ape[p % r]] (SPEC §5.1); with
     FUSE (G = r) also pools + finishes the group's block when ``_fast_check`` says its window is all in
-    this call, and writes ``fused[g]`` (1: done here)."""
+    this call, and writes ``fused[g]`` (``_store_flag``: finished here, closing tokens left)."""
     HALF: tl.constexpr = COFF * D
     cols = tl.arange(0, D)
     if COFF == 2:
         group = tl.program_id(0)
         t0 = group.to(tl.int64) * G
+        # r = 4: row = [kv_a | kv_b | sc_a | sc_b], one [G, D] tile per segment; the tiles are loaded first
+        # (their addresses need no other load), so the window check's loads overlap them.
+        t = t0 + tl.arange(0, G)
+        ok = t < num_tokens
+        src = kv_score + t[:, None] * stride_t + cols[None, :]
+        kv_a = tl.load(src, mask=ok[:, None], other=0.0)
+        kv_b = tl.load(src + D, mask=ok[:, None], other=0.0)
+        sc_a = tl.load(src + 2 * D, mask=ok[:, None], other=0.0)
+        sc_b = tl.load(src + 3 * D, mask=ok[:, None], other=0.0)
+        p = tl.load(positions + t, mask=ok, other=0)
+        slot = tl.load(slot_mapping + t, mask=ok, other=-1)
+        out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
+        if EARLY:
+            tl.debug_barrier()  # keeps the compiler from sinking the loads above below the window check
         if FUSE:
             fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping,
                                        block_table, stride_bt, state_block_size, num_tokens, RATIO, COFF)
-            tl.store(fused + group, fast.to(tl.int8))
-        # r = 4: row = [kv_a | kv_b | sc_a | sc_b], one [G, D] tile per segment.
-        t = t0 + tl.arange(0, G)
-        ok = t < num_tokens
-        p = tl.load(positions + t, mask=ok, other=0)
-        slot = tl.load(slot_mapping + t, mask=ok, other=-1)
+            _store_flag(fused + group, fast, ok & (out >= 0) & ((p + 1) % RATIO == 0))
         save = (ok & (slot >= 0))[:, None]
-        src = kv_score + t[:, None] * stride_t + cols[None, :]
         dst = state + slot[:, None] * (2 * HALF) + cols[None, :]
         ape_row = ape + (p % RATIO)[:, None] * stride_ape + cols[None, :]
-        kv_a = tl.load(src, mask=ok[:, None], other=0.0)
-        kv_b = tl.load(src + D, mask=ok[:, None], other=0.0)
         ape_a = tl.load(ape_row, mask=ok[:, None], other=0.0)
-        sc_a = tl.load(src + 2 * D, mask=ok[:, None], other=0.0) + ape_a
-        sc_b = tl.load(src + 3 * D, mask=ok[:, None], other=0.0) + tl.load(ape_row + D, mask=ok[:, None],
-                                                                             other=0.0)
+        sc_a = sc_a + ape_a
+        sc_b = sc_b + tl.load(ape_row + D, mask=ok[:, None], other=0.0)
         tl.store(dst, kv_a, mask=save)
         tl.store(dst + D, kv_b, mask=save)
         tl.store(dst + 2 * D, sc_a, mask=save)
@@ -230,8 +266,11 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                 total = tl.sum(e_p, 0)
                 for k in tl.static_range(G):
                     total += _row(e_b, k, G)
-                c = tl.sum(e_p / total[None, :] * kv_p, 0)
-                w_kv = e_b / total[None, :] * kv_b
+                # e / total on the GPU is e * rcp.approx(total) (div.full; total in [1, 8] needs no range
+                # scaling), so one reciprocal a column gives the same bits with 2 instructions less a quotient.
+                inv = 1.0 / total
+                c = tl.sum(e_p * inv[None, :] * kv_p, 0)
+                w_kv = e_b * inv[None, :] * kv_b
                 for k in tl.static_range(G):
                     c += _row(w_kv, k, G)
                 _finish(c, pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
@@ -244,7 +283,7 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         if FUSE:
             fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, block_table,
                                        stride_bt, state_block_size, num_tokens, RATIO, COFF)
-            tl.store(fused + tl.program_id(0), fast.to(tl.int8))
+            closing = tl.zeros((R,), tl.int32)
             m = tl.full((D,), float("-inf"), tl.float32)
             s = tl.zeros((D,), tl.float32)
             acc = tl.zeros((D,), tl.float32)
@@ -263,6 +302,10 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
             tl.store(dst + D, sc, mask=save)
             if FUSE:
                 m, s, acc = _online(m, s, acc, kv, sc)
+                out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
+                closing += (ok & (out >= 0) & ((p + 1) % RATIO == 0)).to(tl.int32)
+        if FUSE:
+            _store_flag(fused + tl.program_id(0), fast, closing)
         if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
             if fast:
                 _finish(tl.div_rn(acc, s), pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
@@ -272,10 +315,11 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
 
 
 @triton.jit
-def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt, state_block_size,
+def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_table, stride_bt,
+                       state_block_size: tl.constexpr,
                        fused, num_tokens, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
-                       u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
-                       scale_offset, scale_stride,
+                       u8_ptr, bf16_ptr, block_size: tl.constexpr, page_stride, token_stride, nope_offset,
+                       rope_offset, scale_offset, scale_stride,
                        RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, GB: tl.constexpr,
                        FUSE_G: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
                        QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
@@ -287,12 +331,19 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
     WINDOW: tl.constexpr = COFF * RATIO
     t = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     ok = t < num_tokens
-    p = tl.load(positions + t, mask=ok, other=0)
-    out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
-    todo = ok & (out >= 0) & ((p + 1) % RATIO == 0)
     if FUSE_G > 0:
-        done = tl.load(fused + t // FUSE_G, mask=todo & (t % FUSE_G == FUSE_G - 1), other=0)
-        todo = todo & (done == 0)
+        # The first launch's group flags say whether any closing token is left (one load, no positions).
+        flag = tl.load(fused + t // FUSE_G, mask=ok, other=0).to(tl.int32)
+        left = tl.sum(flag >> 1, 0)
+    else:
+        left = 1
+    todo = t < 0
+    if left > 0:
+        p = tl.load(positions + t, mask=ok, other=0)
+        out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
+        todo = ok & (out >= 0) & ((p + 1) % RATIO == 0)
+        if FUSE_G > 0:
+            todo = todo & ~(((flag & 1) != 0) & (t % FUSE_G == FUSE_G - 1))
     if tl.sum(todo.to(tl.int32), 0) > 0:
         cols = tl.arange(0, D)
         for k in range(GB):
@@ -309,7 +360,7 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
                     j = tl.arange(0, WINDOW)
                     q = pk - WINDOW + 1 + j
                     live = q >= 0
-                    q_safe = tl.where(live, q, 0)
+                    q_safe = tl.where(live, q, 0).to(tl.int32)
                     page = tl.load(bt_row + q_safe // state_block_size, mask=live, other=0)
                     rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
                     src = state + (rows * (2 * HALF) + (j // RATIO) * D)[:, None] + cols[None, :]
@@ -324,7 +375,7 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
                     for i in range(WINDOW // R):
                         q = pk - WINDOW + 1 + i * R + tl.arange(0, R)
                         live = q >= 0
-                        q_safe = tl.where(live, q, 0)
+                        q_safe = tl.where(live, q, 0).to(tl.int32)
                         page = tl.load(bt_row + q_safe // state_block_size, mask=live, other=0)
                         rows = page.to(tl.int64) * state_block_size + q_safe % state_block_size
                         src = state + (rows * (2 * HALF))[:, None] + cols[None, :]
@@ -345,14 +396,18 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, deepseek_rounding: bool,
                     hadamard: torch.Tensor | None, rope_dim: int, eps: float, _fuse: bool | None = None,
                     _rows: int | None = None, _warps: int | None = None, _pool_group: int | None = None,
-                    _pool_warps: int | None = None, _save_only: bool = False, _second: bool = True) -> None:
+                    _pool_warps: int | None = None, _save_only: bool = False, _second: bool = True,
+                    _early: bool | None = None) -> None:
     """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2.
 
     Tuning (benchmarks and tests; defaults from the H200 sweep in docs/triton.md): ``_fuse`` forces the
     fused path on / off (default: r = 4 always, r = 128 from 8192 tokens on, where 128-token groups
     still fill the GPU); ``_rows`` rows per chunk (r = 128), ``_warps`` / ``_pool_warps`` warps of the
     two launches, ``_pool_group`` tokens per program of the second launch; ``_save_only`` skips
-    pooling, ``_second`` = False the second launch (docs/triton.md's time split).
+    pooling, ``_second`` = False the second launch (docs/triton.md's time split); ``_early`` (r = 4) issues
+    the group's loads before the window check (a barrier keeps the compiler from sinking them; default on
+    for d = 128). ``hadamard`` [d, d] (Sylvester, SPEC §6.5) only switches the rotation on: its factors are
+    built in registers.
     """
     num_tokens = kv_score.shape[0]
     if num_tokens == 0:
@@ -390,13 +445,15 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     _save_fuse_kernel[(programs,)](
         kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
         ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], fused, num_tokens,
-        *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse, **finish_meta, **warps)
+        *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse,
+        EARLY=head_dim == 128 if _early is None else _early, **finish_meta, **warps)
     if _save_only or not _second:
         return
     # Second launch: one token a program for small batches (decode); groups of 16 for large ones, where
     # most programs only read the flags and exit (wider groups serialise unaligned requests' blocks).
     pool_group = _pool_group or (1 if num_tokens <= 2048 else 16)
-    pool_warps = {} if INTERPRET else {"num_warps": _pool_warps or 4}
+    # d = 128 pools on one warp, as the first launch (H200, 8 requests x ~4K unaligned: 64 us vs 160 us on 4).
+    pool_warps = {} if INTERPRET else {"num_warps": _pool_warps or (4 if head_dim == 512 else 1)}
     _state_pool_kernel[(triton.cdiv(num_tokens, pool_group),)](
         positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
         state_cache.shape[1], fused, num_tokens, *finish_args, RATIO=ratio, D=head_dim, COFF=coff, GB=pool_group,

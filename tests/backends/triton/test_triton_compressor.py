@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _triton_helpers import assert_cache_equivalent, assert_close, cos_sin_table, poisoned_like
 from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
+from dsv4.backends.triton._common import fp4_code, simulate_fp4
+from dsv4.backends.triton.compressor import _e2m1_code, _sylvester
 from dsv4.codecs import get_codec
+from dsv4.hadamard import hadamard_matrix
 
 CASES = [  # (ratio, head_dim, out_format, profile)
     (4, 512, "fp8_ds_mla", "deepseek"),
@@ -120,14 +125,16 @@ def test_token_order(ratio: int, head_dim: int, out_format: str, profile: str, o
     assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
 
 
-@pytest.mark.parametrize("ratio,head_dim,out_format,profile,fuse,pool_group", [
-    (4, 512, "fp8_ds_mla", "deepseek", True, 4),
-    (4, 128, "indexer_mxfp4", "deepseek", False, 1),
-    (128, 512, "fp8_ds_mla", "deepseek", True, 1),
-    (128, 512, "bf16", "vllm", True, 16),
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile,fuse,pool_group,extra", [
+    (4, 512, "fp8_ds_mla", "deepseek", True, 4, {}),
+    (4, 512, "fp8_ds_mla", "deepseek", True, 16, {"_early": True}),
+    (4, 128, "indexer_mxfp4", "deepseek", False, 1, {}),
+    (4, 128, "indexer_mxfp4", "deepseek", True, 16, {}),
+    (128, 512, "fp8_ds_mla", "deepseek", True, 1, {}),
+    (128, 512, "bf16", "vllm", True, 16, {}),
 ])
 def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_format: str, profile: str, fuse: bool,
-                                pool_group: int) -> None:
+                                pool_group: int, extra: dict) -> None:
     """Three calls of two requests whose chunks start at aligned and unaligned positions and token
     indices, so that blocks are finished by the fused launch (whole window in this call at the
     expected token indices), and by the state-pool launch (window spanning calls, groups not aligned
@@ -137,7 +144,7 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
     from dsv4.backends.triton import compressor
 
     monkeypatch.setattr(compressor, "compress_insert", functools.partial(
-        compressor.compress_insert, _fuse=fuse, _pool_group=pool_group))
+        compressor.compress_insert, _fuse=fuse, _pool_group=pool_group, **extra))
     coff = 2 if ratio == 4 else 1
     width = 2 * coff * head_dim
     state_block, out_block = 16, 4
@@ -173,3 +180,29 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
                                   out_slots, **kw)
     assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
     assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, torch.cat(written))
+
+
+
+@triton.jit
+def _codes_kernel(x_ptr, want_ptr, got_ptr, h_ptr, N: tl.constexpr, H: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    q = simulate_fp4(x)
+    tl.store(want_ptr + i, fp4_code(tl.abs(q)) | ((q < 0) | ((q == 0) & (x < 0))).to(tl.int32) * 8)
+    tl.store(got_ptr + i, _e2m1_code(x))
+    j = tl.arange(0, H)
+    tl.store(h_ptr + j[:, None] * H + j[None, :], _sylvester(H))
+
+
+def test_e2m1_code_and_sylvester() -> None:
+    """The bit-level e2m1 encoder equals ``simulate_fp4`` + ``fp4_code`` (ties, saturation, signed zeros),
+    and the in-register Sylvester factors equal ``hadamard_matrix``."""
+    n = 4096
+    grid = torch.arange(-64, 65, dtype=torch.float32) / 8  # every multiple of 1/8 in [-8, 8]: all ties
+    special = torch.tensor([0.0, -0.0, 5.0, -5.0, 6.5, 100.0, 1e-30, -1e-30, 1e-45, 0.2500001, 0.7499999])
+    x = torch.cat([grid, special, torch.randn(n - grid.numel() - special.numel()) * 3])
+    want, got = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    h = torch.zeros(16, 16)
+    _codes_kernel[(1,)](x, want, got, h, N=n, H=16)
+    assert torch.equal(want, got)
+    assert torch.equal(h, hadamard_matrix(16))
