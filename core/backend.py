@@ -234,6 +234,14 @@ class OptionalImport:
             raise BackendUnavailableError(reason or f"{self.label} not importable")
         return module
 
+    def reasons(self, injected: Any = None) -> list[str]:
+        """A probe's import reasons: none when ``injected`` (a module a test or caller passed in)
+        stands in for the import, else ``[reason]`` when the import fails."""
+        if injected is not None:
+            return []
+        _, reason = self.result()
+        return [reason] if reason else []
+
 
 class Backend:
     """Base class of every backend. Subclasses set ``name`` and ``capabilities``.

@@ -25,9 +25,8 @@ def _load_sparse_mla() -> Any:
     return sparse_mla
 
 
-_SPARSE_MLA = OptionalImport("aiter sparse_mla", _load_sparse_mla)
-_import_result = _SPARSE_MLA.result
-import_sparse_mla = _SPARSE_MLA.get  # aiter's sparse_mla, or BackendUnavailableError with the reason
+SPARSE_MLA = OptionalImport("aiter sparse_mla", _load_sparse_mla)
+import_sparse_mla = SPARSE_MLA.get  # aiter's sparse_mla, or BackendUnavailableError with the reason
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

@@ -46,10 +46,8 @@ class _FlashInferBackend(Backend):
         elif arch not in self._archs:
             hint = " (no FlashInfer DSV4 kernel for sm_90; FlashMLA serves it)" if arch.startswith("sm_9") else ""
             reasons.append(f"needs {self._arch_text}, found {arch}{hint}")
-        if not reasons and self.flashinfer_mla is None:  # importing flashinfer costs seconds: only where it can run
-            _, reason = attention._import_result()
-            if reason:
-                reasons.append(reason)
+        if not reasons:  # importing flashinfer costs seconds: only where it can run
+            reasons += attention.FLASHINFER.reasons(self.flashinfer_mla)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

@@ -38,9 +38,8 @@ def _load_flashinfer_mla() -> Any:
     return flashinfer_mla
 
 
-_FLASHINFER = OptionalImport("flashinfer", _load_flashinfer_mla)
-_import_result = _FLASHINFER.result
-import_flashinfer_mla = _FLASHINFER.get  # flashinfer.mla, or BackendUnavailableError with the reason
+FLASHINFER = OptionalImport("flashinfer", _load_flashinfer_mla)
+import_flashinfer_mla = FLASHINFER.get  # flashinfer.mla, or BackendUnavailableError with the reason
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}

@@ -50,10 +50,7 @@ class FlashMLABackend(Backend):
             reasons.append(f"needs sm_90a or sm_100f, found {found}")
         elif arch not in SUPPORTED_ARCHS:
             reasons.append(f"needs sm_90a or sm_100f, found {arch}")
-        if self.flash_mla is None:
-            _, reason = attention._import_result()
-            if reason:
-                reasons.append(reason)
+        reasons += attention.FLASH_MLA.reasons(self.flash_mla)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

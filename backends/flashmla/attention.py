@@ -43,9 +43,8 @@ def _load_flash_mla() -> Any:
     return flash_mla
 
 
-_FLASH_MLA = OptionalImport("flash_mla", _load_flash_mla)
-_import_result = _FLASH_MLA.result
-import_flash_mla = _FLASH_MLA.get  # the flash_mla module, or BackendUnavailableError with the reason
+FLASH_MLA = OptionalImport("flash_mla", _load_flash_mla)
+import_flash_mla = FLASH_MLA.get  # the flash_mla module, or BackendUnavailableError with the reason
 
 
 @dataclass

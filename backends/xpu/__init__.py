@@ -35,10 +35,7 @@ class XPUBackend(Backend):
         reasons: list[str] = []
         if not _xpu_available():
             reasons.append(f"needs an Intel XPU (torch.xpu), found {'cuda' if torch.cuda.is_available() else 'cpu'}")
-        if self.kernel is None:
-            _, reason = attention._import_result()
-            if reason:
-                reasons.append(reason)
+        reasons += attention.KERNEL.reasons(self.kernel)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

@@ -26,9 +26,8 @@ def _load_kernel() -> Any:
     return triton_bf16_mla_sparse_interface
 
 
-_KERNEL = OptionalImport("vllm XPU sparse MLA kernel", _load_kernel)
-_import_result = _KERNEL.result
-import_kernel = _KERNEL.get  # the Triton kernel entry point, or BackendUnavailableError with the reason
+KERNEL = OptionalImport("vllm XPU sparse MLA kernel", _load_kernel)
+import_kernel = KERNEL.get  # the Triton kernel entry point, or BackendUnavailableError with the reason
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor,
