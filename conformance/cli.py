@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned; gloo on CPU, NCCL on GPUs)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (spawned)")
+    p = sub.add_parser("make-layer-golden",
+                       help="write a random-weight layer golden whose outputs are the reference's (e.g. for --tp 2)")
+    p.add_argument("file", metavar="OUT.json")
+    p.add_argument("--preset", default="tiny-g2", help="model preset (default tiny-g2: 8 heads, 2 output groups)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--numerics", default="deepseek", help="numerics profile (deepseek, vllm)")
     p = sub.add_parser("plan", help="KV memory of one request, per layer kind and total (SPEC §9)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="v4-flash, v4-pro, tiny, tiny-g2")
@@ -243,8 +249,11 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
-    table = Table(title=f"layer golden {args.file} (backend {result.backend}, device {result.device})")
+    layout = f", tp {result.tp} x cp {result.cp} over {result.dist_backend}" if hasattr(result, "tp") else ""
+    table = Table(title=f"layer golden {args.file} (backend {result.backend}, device {result.device}{layout})")
     columns = ("layer_id", "kind", "rows", "min_cosine", "mean_cosine", "fraction_ge_0999", "passed")
+    if hasattr(result, "tp"):
+        columns = (*columns[:-1], "ranks_identical", "passed")
     for column in columns:
         table.add_column(column)
     for row in result.rows:
@@ -259,6 +268,18 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
         console.print(f"  {op}: {', '.join(names)}")
     console.print("[green]passed[/]" if result.passed else "[red]failed[/]")
     return 0 if result.passed else 1
+
+
+def cmd_make_layer_golden(args: argparse.Namespace) -> int:
+    from dsv4.conformance.layer_golden import load_layer_golden, make_layer_golden
+
+    path = make_layer_golden(args.file, preset=args.preset, seed=args.seed, numerics=args.numerics)
+    meta, tensors = load_layer_golden(path)
+    tokens = tensors["input"].shape[1]
+    _console().print(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(meta['layers'])} layers "
+                     f"(ratios {[spec['compress_ratio'] for spec in meta['layers']]}), {tokens} tokens in "
+                     f"{len(meta['steps'])} steps, outputs of the reference backend")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -291,7 +312,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"list": cmd_list, "run": cmd_run, "golden": cmd_golden, "layer-golden": cmd_layer_golden,
-             "plan": cmd_plan}
+             "make-layer-golden": cmd_make_layer_golden, "plan": cmd_plan}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,8 @@ from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 from safetensors.torch import load_file, save_file
 
-__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "parse_backends", "row_cosine", "run_layer_golden"]
+__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "make_layer_golden", "parse_backends", "row_cosine",
+           "run_layer_golden"]
 
 FORMAT = "dsv4-layer-golden/1"
 
@@ -171,3 +172,51 @@ def run_layer_golden(path: str | Path, backend: str | list[str] | dict | None = 
     if save_outputs is not None:
         save_file(outputs, str(save_outputs))
     return report
+
+
+# A prefill, one decode, a short chunk: the odd total (133) gives uneven context-parallel shards, the
+# 1-token decode an empty one, and 129 > the 128-token window.
+DEFAULT_STEPS = (("prefill", 129), ("decode", 1), ("prefill", 3))
+
+
+def make_layer_golden(path: str | Path, preset: str = "tiny-g2", seed: int = 0, numerics: str = "deepseek",
+                      steps: tuple[tuple[str, int], ...] = DEFAULT_STEPS, batch: int = 1) -> Path:
+    """Write a ``dsv4-layer-golden/1`` file of random weights whose outputs are our reference layer's.
+
+    Every layer of the preset gets seeded random weights (``Attention.reset_parameters``); the input is
+    seeded ``randn`` rounded to bf16; the outputs are :func:`run_layer_golden` with the reference
+    backend on the CPU (single process). Replaying it with other backends, devices or a TP/CP layout
+    then checks them against one process of the reference by SPEC §14's rule. The official golden in
+    ``shared/goldens`` has ``o_groups`` 1 and so cannot run at TP=2; ``tiny-g2`` (8 heads, 2 groups)
+    can. Deterministic on one machine: the same arguments give the same bytes. Returns the json path (the tensors are
+    beside it, ``.safetensors``).
+    """
+    path = Path(path)
+    if path.suffix != ".json":
+        raise DSV4ValueError.of("path", "a NAME.json path", str(path))
+    cfg = ModelConfig.preset(preset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_steps, start = [], 0
+    for kind, length in steps:
+        meta_steps.append({"kind": kind, "start_pos": start, "length": int(length)})
+        start += int(length)
+    layer_ids = list(range(len(cfg.compress_ratios)))
+    meta = {"format": FORMAT, "source": f"dsv4 reference, make_layer_golden(preset={preset!r}, seed={seed})",
+            "numerics": numerics, "hf_config": cfg.to_hf_config(), "batch": batch, "steps": meta_steps,
+            "layers": [{"layer_id": i, "compress_ratio": cfg.compress_ratios[i]} for i in layer_ids]}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"input": torch.randn(batch, start, cfg.hidden_size, generator=gen).bfloat16()}
+    for i in layer_ids:
+        attn = Attention(cfg, i, profile=numerics, backends="reference")
+        attn.reset_parameters(gen)
+        tensors |= {f"layers.{i}.attn.{k}": v.contiguous() for k, v in attn.state_dict().items()}
+        tensors[f"output.{i}"] = torch.zeros(batch, start, cfg.hidden_size, dtype=torch.bfloat16)
+    path.write_text(json.dumps(meta, indent=1))
+    save_file(tensors, str(path.with_suffix(".safetensors")))
+    produced = path.with_name(path.stem + ".outputs.safetensors")
+    try:
+        run_layer_golden(path, backend="reference", save_outputs=produced)
+        save_file(tensors | load_file(str(produced)), str(path.with_suffix(".safetensors")))
+    finally:
+        produced.unlink(missing_ok=True)
+    return path

@@ -10,6 +10,7 @@ rank 0's (the collectives must leave every rank with the same answer).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import tempfile
@@ -59,6 +60,7 @@ def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, de
     """One rank: join the process group, replay every step, save the full outputs to ``out_dir``."""
     import torch.distributed as dist
     from dsv4.cache import PagedKVCache, StepRequest
+    from dsv4.ops.dispatch import record_selections
     from dsv4.parallel import ParallelAttention, init_parallel_groups
 
     world = tp * cp
@@ -68,8 +70,10 @@ def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, de
         torch.cuda.set_device(torch.device(dev))
     else:  # ranks share the CPU cores: avoid oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # device_id binds the NCCL communicator to this rank's GPU (no guessing from the rank)
     dist.init_process_group("gloo" if dev == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=None if dev == "cpu" else torch.device(dev))
     try:
         groups = init_parallel_groups(tp, cp)
         meta, tensors = load_layer_golden(path)
@@ -86,7 +90,7 @@ def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, de
             layer.load_full_state_dict(tensors, prefix=f"layers.{layer_id}.attn.")
             layers[layer_id] = layer.to(dev)
         produced: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
-        with torch.no_grad():
+        with torch.no_grad(), record_selections() as used:
             for s in steps:
                 start, length = int(s["start_pos"]), int(s["length"])
                 step = cache.plan_step([StepRequest(b, length) for b in range(batch)])
@@ -95,6 +99,7 @@ def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, de
                     produced[layer_id].append(layer(x, step).view(batch, length, -1).cpu())
         outputs = {f"output.{i}": torch.cat(p, dim=1).contiguous() for i, p in produced.items()}
         save_file(outputs, str(Path(out_dir) / f"rank{rank}.safetensors"))
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({op: sorted(v) for op, v in used.items()}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -149,6 +154,9 @@ def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backen
                         process.kill()
                         process.join()
         per_rank = [load_file(str(Path(out_dir) / f"rank{r}.safetensors")) for r in range(world)]
+        used = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+    # which backend ran each op, over all ranks (ranks differ only if selection depends on the shard)
+    report.backends_used = {op: sorted({name for u in used for name in u.get(op, [])}) for op in used[0]}
     report.wall_seconds = time.monotonic() - began
     for spec in meta["layers"]:
         layer_id = int(spec["layer_id"])

@@ -4,15 +4,7 @@
 #          .device (a copy of ../shared/goldens: deepseek_tiny_b1.{json,safetensors})
 # Usage there: bash tools/h200_run.sh [quick]
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/dsv4 . >/dev/null 2>&1 \
-  || { echo "install of dsv4 failed"; exit 1; }
-export PYTHONPATH=/tmp/dsv4:/tmp/site PATH=/tmp/dsv4/bin:$PATH
-GOLDEN=.device/deepseek_tiny_b1.json
-step() { echo; echo "=== $*"; "$@"; echo "--- exit $?"; }
+source tools/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, flash_mla; print(torch.__version__, triton.__version__, 'flash_mla legacy', flash_mla.has_legacy())"
 step dsv4-conformance list

@@ -81,3 +81,28 @@ def test_parse_backends():
         parse_backends(["sparse_attn=flashmla"])
     with pytest.raises(DSV4ValueError, match="one default backend"):
         parse_backends(["triton", "reference"])
+
+
+def test_make_layer_golden_is_deterministic_and_replays(tmp_path, capsys):
+    """make-layer-golden: same seed -> same bytes, other seed -> other bytes; the replay with the
+    reference passes exactly (cosine 1) and a TP=2 replay runs on it (tiny-g2 has 2 output groups)."""
+    from dsv4.conformance.layer_golden import load_layer_golden, make_layer_golden
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    assert main(["make-layer-golden", str(tmp_path / "a" / "g.json"), "--seed", str(seed)]) == 0
+    assert "4 layers (ratios [0, 4, 128, 0]), 133 tokens in 3 steps" in capsys.readouterr().out
+    first = make_layer_golden(tmp_path / "b.json", seed=seed)
+    again = (tmp_path / "a" / "g.safetensors").read_bytes()
+    assert first.with_suffix(".safetensors").read_bytes() == again
+    other = make_layer_golden(tmp_path / "c.json", seed=seed + 1)
+    assert other.with_suffix(".safetensors").read_bytes() != again
+    meta, tensors = load_layer_golden(first)
+    assert meta["hf_config"]["o_groups"] == 2 and [s["length"] for s in meta["steps"]] == [129, 1, 3]
+    for i in range(4):
+        assert tensors[f"output.{i}"].abs().amax() > 0  # outputs were filled in, not the zero placeholders
+    report = run_layer_golden(first, backend="reference", save_outputs=tmp_path / "replay.safetensors")
+    assert report.passed
+    replay = load_file(str(tmp_path / "replay.safetensors"))
+    assert all(torch.equal(replay[f"output.{i}"], tensors[f"output.{i}"]) for i in range(4))
+    with pytest.raises(DSV4ValueError, match="path: expected a NAME.json path"):
+        make_layer_golden(tmp_path / "d.safetensors")

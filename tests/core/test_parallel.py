@@ -6,8 +6,6 @@ Fast single-process tests check the sharding arithmetic and that the ranks' part
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from dsv4.layer import Attention
@@ -272,33 +270,13 @@ def _row_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tp1_golden(tmp_path_factory):
-    """A dsv4-layer-golden/1 file of tiny-g2 (SWA, CSA, HCA layers, random weights) whose outputs are
-    the single-process (TP=1) layer's: SPEC §14 then judges TP/CP=2 against TP=1."""
-    from dsv4.conformance.layer_golden import run_layer_golden
-    from safetensors.torch import save_file
+    """A dsv4-layer-golden/1 file of tiny-g2 (SWA, CSA, HCA layers, random weights, 133 tokens in a
+    prefill, a decode and a 3-token chunk) whose outputs are the single-process (TP=1) layer's: SPEC §14
+    then judges TP/CP=2 against TP=1."""
+    from dsv4.conformance.layer_golden import make_layer_golden
 
-    cfg = tiny_g2()
-    path = tmp_path_factory.mktemp("golden") / "tiny_g2_tp1.json"
-    steps, start = [], 0
-    for kind, n in (("prefill", 129), ("decode", 1), ("prefill", 3)):  # odd T: uneven CP shards
-        steps.append({"kind": kind, "start_pos": start, "length": n})
-        start += n
-    layers = [0, 1, 2]
-    meta = {"format": "dsv4-layer-golden/1", "source": "tests/core/test_parallel.py, TP=1", "numerics": "deepseek",
-            "hf_config": cfg.to_hf_config(), "batch": 1, "steps": steps,
-            "layers": [{"layer_id": i, "compress_ratio": cfg.compress_ratios[i]} for i in layers]}
-    path.write_text(json.dumps(meta))
-    tensors = {"input": torch.randn(1, start, cfg.hidden_size).bfloat16()}
-    for i in layers:
-        tensors |= {f"layers.{i}.attn.{k}": v.contiguous() for k, v in random_layer(cfg, i).state_dict().items()}
-        tensors[f"output.{i}"] = torch.zeros(1, start, cfg.hidden_size, dtype=torch.bfloat16)
-    save_file(tensors, str(path.with_suffix(".safetensors")))
-    produced = path.with_name("tp1_outputs.safetensors")
-    run_layer_golden(path, save_outputs=produced)
-    from safetensors.torch import load_file
-
-    save_file(tensors | load_file(str(produced)), str(path.with_suffix(".safetensors")))
-    return path
+    seed = int(torch.randint(0, 2**31, ()).item())
+    return make_layer_golden(tmp_path_factory.mktemp("golden") / "tiny_g2_tp1.json", "tiny-g2", seed=seed)
 
 
 @pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)])
@@ -314,10 +292,12 @@ def test_spawned_ranks_match_tp1(tp1_golden, tp, cp):
     for row in report.rows:
         assert row["ranks_identical"], row
         assert row["rows"] == 133
+    assert len(report.rows) == 4  # layers 0-3: SWA, CSA, HCA, SWA
     # SPEC §13/§14: SWA and HCA every row >= 0.999; CSA by the tie-tolerant rule
     assert by_kind["SWA"]["min_cosine"] >= 0.999 and by_kind["HCA"]["min_cosine"] >= 0.999
     assert report.passed, report.to_dict()
     assert (report.tp, report.cp, report.dist_backend) == (tp, cp, "gloo")
+    assert report.backends_used["sparse_attention"] == ["reference"]  # recorded by the ranks (CPU: reference)
 
 
 def test_spawn_rejects_before_starting_and_cleans_up_on_timeout(tp1_golden):
