@@ -1,0 +1,97 @@
+"""Where a layer decode step's GPU time goes: kernels per step, by name, for each backend choice.
+
+    python3 tools/profile_layer.py [--preset v4-flash] [--batch 64] [--context 4096] [--backends auto,triton]
+
+Same setup as tools/bench_layer.py (filled caches, one decode step of ``batch`` requests). The step is
+captured in a CUDA graph and replayed ``--steps`` times under ``torch.profiler`` (CUDA activity);
+kernel device time is summed by kernel name and divided by the steps. Prints, per layer and backend
+choice, the kernels sorted by time and the total (the sum of kernel times, not wall time: gaps
+between kernels are not counted). No assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import _fill, _graph
+
+
+def profile(preset: str, batch: int, context: int, backends: str, steps: int) -> list[dict]:
+    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+    from dsv4.specs.layer_kinds import LayerKind
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cfg = ModelConfig.preset(preset)
+    rows = []
+    for kind in (LayerKind.CSA, LayerKind.HCA):
+        layer_id = cfg.layer_ids(kind)[0]
+        pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
+                 "state4": context // 4 + 2, "state128": context // 8 + 2}
+        cache = PagedKVCache(cfg, [layer_id], num_blocks={k: batch * v for k, v in pages.items()}, device="cuda")
+        cache.plan_step([StepRequest(i, context) for i in range(batch)])
+        torch.manual_seed(0)
+        _fill(cache)
+        step = cache.plan_step([StepRequest(i, 1) for i in range(batch)])
+        x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+        attn = Attention(cfg, layer_id, backends=backends)
+        attn.reset_parameters(torch.Generator().manual_seed(1))
+        attn = attn.to("cuda")
+        attn.reserve_positions(context + 2)
+        per_kernel: dict[str, float] = collections.defaultdict(float)
+        with torch.no_grad():
+            def run(attn=attn, x=x, step=step):
+                return attn(x, step)
+
+            for mode, fn in (("graph", _graph(run)), ("eager", run)):
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        fn()
+                    torch.cuda.synchronize()
+                for event in prof.events():
+                    if event.device_type == torch.autograd.DeviceType.CUDA:
+                        per_kernel[event.name] += event.time_range.elapsed_us() / steps
+                if per_kernel:  # graph-launched kernels were traced; else the eager kernels (same work)
+                    break
+        total = sum(per_kernel.values())
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+        rows.append({"preset": preset, "layer": f"{kind.name} {layer_id}", "backends": backends, "mode": mode,
+                     "batch": batch,
+                     "context": context, "kernel_us_total": total,
+                     "kernels": [{"name": name[:120], "us": us} for name, us in top]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="v4-flash")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--backends", default="auto,triton")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for backends in args.backends.split(","):
+        rows += profile(args.preset, args.batch, args.context, backends, args.steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"\n{r['preset']} {r['layer']} backends={r['backends']} batch {r['batch']} context {r['context']}: "
+              f"kernel time {r['kernel_us_total']:.1f} us a step ({r['mode']})")
+        for k in r["kernels"][:args.top]:
+            print(f"  {k['us']:8.1f} us  {k['name']}")
+
+
+if __name__ == "__main__":
+    main()
