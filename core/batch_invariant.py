@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_linear", "linear"]
+__all__ = ["MM_OUT_FP32_DEVICES", "grouped_linear", "linear", "mm_fp32_out"]
+
+# Device types whose ``torch.mm`` takes ``out_dtype`` (bf16 x bf16 -> fp32 on the tensor cores).
+MM_OUT_FP32_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -28,3 +31,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float64:
         return torch.einsum("tgk,gnk->tgn", x, weight)
     return torch.stack([linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+
+
+def mm_fp32_out(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tensor:
+    """``x @ weight16^T`` with fp32 output. x: ``[..., K]`` bf16; weight16: ``[N, K]`` bf16 -> ``[..., N]`` fp32.
+
+    The products of bf16 values are exact in fp32 and the tensor cores accumulate in fp32, so this is
+    the fp32 GEMM of the same values up to summation order (vLLM's ``torch.mm(..., out_dtype=float32)``
+    for the compressor). Only on ``MM_OUT_FP32_DEVICES``.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.mm(flat, weight16.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], weight16.shape[0])

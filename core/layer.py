@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-from dsv4 import ops
+from dsv4 import batch_invariant, ops
 from dsv4.batch_invariant import linear
 from dsv4.cache import Step
 from dsv4.metadata import topk_local_to_global
@@ -77,9 +77,36 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
 
     def kv_score(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, 2*coff*d]`` in fp32 (float64 for the ideal): ``x @ [Wkv; Wgate]^T`` (SPEC §3 step 4)."""
+        """``[T, 2*coff*d]`` in fp32 (float64 for the ideal): ``x @ [Wkv; Wgate]^T`` (SPEC §3 step 4).
+
+        bf16 x on a GPU with fp32 weights that are all bf16 values (official checkpoints store these
+        weights in bf16; the reference upcasts them): bf16 operands, fp32 accumulation and output
+        (``batch_invariant.mm_fp32_out``), the same exact products as the fp32 GEMM summed in another
+        order, on the tensor cores instead of fp32 FMA (H200, V4-Flash, 64 tokens: see docs/triton.md).
+        """
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
-        return linear(x.to(compute), self._fused_weight(compute))
+        fused = self._fused_weight(compute)
+        if (x.dtype == torch.bfloat16 and compute == torch.float32
+                and x.device.type in batch_invariant.MM_OUT_FP32_DEVICES):
+            twin = self._bf16_twin(fused)
+            if twin is not None:
+                return batch_invariant.mm_fp32_out(x, twin)
+        return linear(x.to(compute), fused)
+
+    def _bf16_twin(self, fused: torch.Tensor) -> torch.Tensor | None:
+        """``fused`` in bf16 when that is exact (every value a bf16 value), else None.
+
+        Decided once per fused weight (one device sync); while a CUDA graph is being captured an
+        undecided weight takes the fp32 path instead of syncing (warm up before capture to get the
+        fast path in the graph).
+        """
+        if getattr(self, "_twin_key", None) != self._fused_key:
+            if fused.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            twin = fused.to(torch.bfloat16)
+            self._twin = twin if torch.equal(twin.to(fused.dtype), fused) else None
+            self._twin_key = self._fused_key
+        return self._twin
 
     def _fused_weight(self, dtype: torch.dtype) -> torch.Tensor:
         # ``[Wkv; Wgate]`` built once, not on every step: rebuilt only when a weight is replaced,
@@ -170,7 +197,11 @@ class Attention(nn.Module):
         self.cos_sin = table.to(device=self.cos_sin.device, dtype=self.cos_sin.dtype)
 
     def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Random weights (for tests and benchmarks): normal(0, std) linears, small APE and sink."""
+        """Random weights (for tests and benchmarks): normal(0, std) linears, small APE and sink.
+
+        Linear weights hold bf16 values whatever their dtype, as an official checkpoint's do (the
+        fp32 compressor weights are upcast bf16), so the layer takes the paths real weights take.
+        """
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -179,7 +210,7 @@ class Attention(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=generator))
                 else:
                     fan_in = p.shape[-1]
-                    p.copy_(torch.randn(p.shape, generator=generator) * fan_in ** -0.5)
+                    p.copy_((torch.randn(p.shape, generator=generator) * fan_in ** -0.5).bfloat16())
 
     # -- forward ---------------------------------------------------------------------------------
 

@@ -134,3 +134,49 @@ def test_compressor_fused_weight_follows_loaded_weights():
     width = second.shape[1] // 2
     assert torch.equal(second[:, :width], first[:, :width])
     assert torch.allclose(second[:, width:], 2 * first[:, width:], rtol=1e-6, atol=1e-6)
+
+
+def test_compressor_bf16_operand_path_only_for_bf16_valued_weights(monkeypatch):
+    """kv_score takes bf16 operands with fp32 output (torch.mm out_dtype, CUDA only; emulated here on
+    the CPU) exactly when x is bf16 and every fp32 weight value is a bf16 value; decided again when
+    the weights change; never for float64 (the ideal)."""
+    from dsv4 import batch_invariant
+
+    calls = []
+
+    def emulated(x, w16):
+        calls.append(w16.dtype)
+        return x.float() @ w16.float().t()
+
+    monkeypatch.setattr(batch_invariant, "MM_OUT_FP32_DEVICES", ("cpu",))
+    monkeypatch.setattr(batch_invariant, "mm_fp32_out", emulated)
+    attn = _layer(2)
+    comp = attn.compressor
+    state = {k: v.clone() for k, v in attn.state_dict().items()}
+    for name in ("compressor.wkv.weight", "compressor.wgate.weight"):
+        assert torch.equal(state[name].bfloat16().float(), state[name])  # reset_parameters: bf16 values
+        state[name] = state[name] * (1 + 2**-12)  # fp32 values that bf16 cannot hold
+    attn.load_state_dict(state)
+    x = _x(5, torch.bfloat16)
+    fp32_path = comp.kv_score(x)
+    assert calls == []
+    for name in ("compressor.wkv.weight", "compressor.wgate.weight"):  # as an official checkpoint stores them
+        state[name] = state[name].bfloat16().float()
+    attn.load_state_dict(state)
+    fast = comp.kv_score(x)
+    assert calls == [torch.bfloat16] and fast.dtype == torch.float32
+    expected = linear_fp32(x, comp)
+    torch.testing.assert_close(fast, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(fast, fp32_path)  # the weights did change
+    state["compressor.wkv.weight"][0, 0] += 2**-20  # one value that bf16 cannot hold
+    attn.load_state_dict(state)
+    comp.kv_score(x)
+    assert len(calls) == 1
+    comp.double()
+    comp.kv_score(x.double())
+    assert len(calls) == 1
+
+
+def linear_fp32(x: torch.Tensor, comp) -> torch.Tensor:
+    w = torch.cat([comp.wkv.weight, comp.wgate.weight]).float()
+    return x.float() @ w.t()
