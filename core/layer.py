@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from dsv4 import batch_invariant, ops
 from dsv4.batch_invariant import linear
 from dsv4.cache import Step
@@ -54,6 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(compute)
+        if x.is_cuda:  # the same formula in one fused kernel (the op-by-op form: ~6 launches a norm)
+            return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(compute), self.eps).to(x.dtype)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(compute)).to(x.dtype)
 

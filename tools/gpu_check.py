@@ -223,6 +223,24 @@ def chk_kv_score(tokens: int):
     return "; ".join(details)
 
 
+def chk_rmsnorm():
+    """The layer's RMSNorm on CUDA (fused F.rms_norm) vs its op-by-op CPU form: within |v| * 2**-7 (one
+    rounding of the fp32 result to bf16 either way)."""
+    from dsv4.layer import RMSNorm
+
+    norm = RMSNorm(1024, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(1024) + 0.5)
+        x = (torch.randn(4096, 1024) * 3).bfloat16()
+        gpu = norm.to(DEV)(x.to(DEV)).cpu().float()
+        cpu = norm.cpu()(x).float()
+    ulp = cpu.abs().clamp_min(2**-126) * 2**-7  # |v| * 2**-7: between one and two bf16 ULPs of v
+    worst = float(((gpu - cpu).abs() / ulp).max())
+    differ = float((gpu != cpu).float().mean())
+    assert worst <= 1.0, f"{worst:.2f} x |v|/128 apart"
+    return f"max diff {worst:.2f} x |v|/128, {differ:.2%} of elements differ"
+
+
 def chk_output(fp8: bool):
     t, h, g, o_lora, hidden = 64, 64, 8, 1024, 4096
     o = torch.randn(t, h, 512, device=DEV).to(torch.bfloat16)
@@ -396,6 +414,7 @@ def main() -> None:
         check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, 512, 8192, 16, True)
     for fp8 in (False, True):
         check(f"output_projection fp8={fp8}", chk_output, fp8)
+    check("layer RMSNorm fused on CUDA", chk_rmsnorm)
     for tokens in (64, 4096):
         check(f"compressor kv_score bf16 operands T={tokens}", chk_kv_score, tokens)
     if "--quick" in sys.argv:  # correctness + the two decode rows with the kernel's default tuning only
