@@ -19,3 +19,15 @@ if [ "${1:-}" != "quick" ]; then
   step python3 tools/gpu_check.py
 fi
 step python3 tools/bench_layer.py --batch 64 --context 4096 --json "$OUT/bench_layer.json"
+step python3 tools/profile_layer.py --json "$OUT/profile_layer.json" --top 12
+# at most 8 files come back from the device tool: the three golden reports go into one
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = sorted(out.glob("golden_*.json"))
+if parts:
+    (out / "goldens.json").write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in parts}, indent=1))
+    for p in parts:
+        p.unlink()
+PY
+ls "$OUT"

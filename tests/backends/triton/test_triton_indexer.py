@@ -146,3 +146,47 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
             finite = torch.isfinite(expected)
             atol = 1e-5 * float(expected[finite].abs().max())
             torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["spread0", "spread11", "spread12", "mixed", "extreme"])
+def test_indexer_logits_mxfp4_scales(kind: str) -> None:
+    """mxfp4 keys on the fp8 path vs the float64 reference on adversarial UE8M0 scale bytes written in place
+    (equal, 11 or 12 binades apart in a row, one far row in a tile, anything in 40..199)."""
+    from dsv4.backends.triton.indexer import indexer_logits
+    from dsv4.backends.triton.layout import key_layout
+    from dsv4.specs.formats import get_format
+
+    block, pages = 16, 4
+    codec = get_codec("indexer_mxfp4")
+    cache = codec.allocate(pages, block)
+    cache.random_(0, 256, generator=torch.Generator().manual_seed(7))
+    n = pages * block
+    base = torch.randint(100, 140, (n, 1))
+    if kind == "spread0":
+        scales = base.expand(n, 4)
+    elif kind in ("spread11", "spread12"):
+        spread = 11 if kind == "spread11" else 12
+        scales = base + torch.randint(0, spread + 1, (n, 4))
+        scales[:, 0], scales[:, 1] = base[:, 0], base[:, 0] + spread
+        scales = scales[:, torch.randperm(4)]
+    elif kind == "mixed":
+        scales = base + torch.randint(0, 4, (n, 4))
+        scales[5, 2] += 30  # one block 30 binades above the rest of its row
+    else:
+        scales = torch.randint(40, 200, (n, 4))  # keys and scores inside the fp32 range
+    offset = get_format("indexer_mxfp4").scale_offset(block)
+    cache[:, offset:offset + 4 * block] = scales.reshape(pages, 4 * block).to(torch.uint8)
+    table = torch.randperm(pages).view(1, pages).to(torch.int32)
+    positions = torch.tensor([255, 200])
+    q, w = reference.indexer_q((torch.randn(2, 64, 128) * 3).to(torch.bfloat16), torch.randn(2, 64).to(torch.bfloat16),
+                               positions, cos_sin_table(256), profile="deepseek")
+    rows = codec.read_rows(cache, table[0].long().repeat_interleave(block) * block + torch.arange(n) % block).double()
+    expected = indexer_scores(q.double(), w.double(), rows)
+    expected[1, 50:] = float("-inf")
+    got = indexer_logits(q, w, positions, torch.zeros(2, dtype=torch.int32), cache, key_layout("indexer_mxfp4", cache),
+                         table, topk=4, ratio=4, fp8=True, block_entries=32).double()
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite)
+    for t in range(2):
+        scale = expected[t][finite[t]].abs().max()
+        assert (got[t][finite[t]] - expected[t][finite[t]]).abs().max() <= 1e-5 * scale, f"token {t}"
