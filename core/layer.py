@@ -146,8 +146,8 @@ class Attention(nn.Module):
         fp8_output: FP8 activations before ``wo_a`` (SPEC §8); default: the profile's choice.
         side_streams: run the compressor and the indexer on CUDA side streams beside the q path
             (SPEC §3: independent until attention). Off by default: on the H200 (V4-Flash layer,
-            b=64 decode, CUDA graphs) it was within 1-2% either way once the Triton compressor and
-            indexer got faster (docs/h200/bench_layer.json).
+            b=64 decode, CUDA graphs) it gains ~5% all-Triton and loses ~2% with FlashMLA attention
+            (docs/h200/bench_layer.json).
         check_finite: raise on NaN/Inf in ``x`` (SPEC §12). It costs a device sync, so the default
             checks on CPU only; on GPUs a non-finite token can only reach its own request's pages
             (every op is per token and per request), and ``check_finite=True`` turns the check on.
