@@ -21,11 +21,13 @@ from dsv4.backends.triton._common import (
     INTERPRET,
     ceil_log2_exponent,
     decode_e4m3,
+    e2m1_as_e4m3,
     encode_e4m3,
     pow2_from_exponent,
     round_bf16,
     simulate_fp4,
     to_bf16,
+    word_bytes,
 )
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
@@ -197,31 +199,6 @@ def _q_operand(codes_row, heads, head_ok, col0, D: tl.constexpr, DB: tl.constexp
 
 
 @triton.jit
-def _word_bytes(words, BN: tl.constexpr, NW: tl.constexpr):
-    """int32 words [BN, NW] -> their bytes uint8 [BN, 4 * NW], little-endian (each word's bytes stay in
-    one thread, so the compiler reuses the word's register as the packed bytes)."""
-    b01 = tl.join((words & 255).to(tl.uint8), ((words >> 8) & 255).to(tl.uint8))
-    b23 = tl.join(((words >> 16) & 255).to(tl.uint8), ((words >> 24) & 255).to(tl.uint8))
-    return tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), (BN, 4 * NW))
-
-
-@triton.jit
-def _e2m1_as_e4m3(words, BN: tl.constexpr, HB: tl.constexpr, KPERM: tl.constexpr):
-    """[BN, 2*HB] uint8 e4m3 codes of packed mxfp4 bytes (int32 words [BN, HB/4]): nibble c ->
-    ((c & 8) << 4) | ((c & 7) << 2), whose e4m3 value is e2m1(c) * 2**-6 exactly (normal and subnormal
-    codes); low nibble first (SPEC §9.3). Four bytes at a time (5 integer ops a word and half).
-    KPERM: columns [low nibbles of bytes 4c..4c+3 for each c | high nibbles likewise] (each register of
-    codes is an operand register as is; q's columns follow the same order, see _q_operand)."""
-    sign = -2139062144  # 0x80808080
-    lo = _word_bytes(((words << 4) & sign) | ((words << 2) & 0x1C1C1C1C), BN, HB // 4)
-    hi = _word_bytes((words & sign) | ((words >> 2) & 0x1C1C1C1C), BN, HB // 4)
-    if KPERM:
-        pair = tl.join(tl.reshape(lo, (BN, HB // 4, 4)), tl.reshape(hi, (BN, HB // 4, 4)))  # [BN, c, m, lohi]
-        return tl.reshape(tl.permute(pair, (0, 3, 1, 2)), (BN, 2 * HB))
-    return tl.reshape(tl.join(lo, hi), (BN, 2 * HB))
-
-
-@triton.jit
 def _tile_rows(bt_row, start, scored_end, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
                BN: tl.constexpr, PAGE_TILE: tl.constexpr):
     """Entries [start, start + BN): (valid [BN], value byte offsets int64 [BN], scale word index int64 [BN])."""
@@ -264,16 +241,16 @@ def _tile_scores(r0, r1, r2, r3, sword, q0, q1, q2, q3, w2, BN: tl.constexpr, HB
     """[BN] scores of one tile from its loaded bytes (see _fp8_tiles)."""
     if MXFP4:
         sbits = sword.to(tl.int32, bitcast=True)
-        k0 = _e4m3_operand(_e2m1_as_e4m3(r0, BN, HB, KPERM), DOT_DTYPE)
+        k0 = _e4m3_operand(e2m1_as_e4m3(r0, BN, HB, KPERM), DOT_DTYPE)
         acc = tl.dot(k0, q0) * ((sbits & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k1 = _e4m3_operand(_e2m1_as_e4m3(r1, BN, HB, KPERM), DOT_DTYPE)
+        k1 = _e4m3_operand(e2m1_as_e4m3(r1, BN, HB, KPERM), DOT_DTYPE)
         acc += tl.dot(k1, q1) * (((sbits >> 8) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k2 = _e4m3_operand(_e2m1_as_e4m3(r2, BN, HB, KPERM), DOT_DTYPE)
+        k2 = _e4m3_operand(e2m1_as_e4m3(r2, BN, HB, KPERM), DOT_DTYPE)
         acc += tl.dot(k2, q2) * (((sbits >> 16) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k3 = _e4m3_operand(_e2m1_as_e4m3(r3, BN, HB, KPERM), DOT_DTYPE)
+        k3 = _e4m3_operand(e2m1_as_e4m3(r3, BN, HB, KPERM), DOT_DTYPE)
         acc += tl.dot(k3, q3) * (((sbits >> 24) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
     else:
-        codes = _word_bytes(r0, BN, HB // 4)
+        codes = word_bytes(r0, BN, HB // 4)
         acc = tl.dot(_e4m3_operand(codes, DOT_DTYPE), q0, max_num_imprecise_acc=IMPRECISE) * sword[:, None]
     return tl.sum(tl.maximum(acc, 0.0) * w2[None, :], 1)
 
