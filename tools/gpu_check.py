@@ -412,6 +412,8 @@ def main() -> None:
     for fmt in ("indexer_mxfp4", "indexer_fp8"):
         check(f"indexer_topk {fmt}", chk_indexer_topk, fmt)
         check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, 512, 8192, 16, True)
+        check(f"indexer_topk {fmt} served q, 4K context (rows of 1024: sort path)",
+              chk_indexer_topk, fmt, 512, 4096, 64, True)
     for fp8 in (False, True):
         check(f"output_projection fp8={fp8}", chk_output, fp8)
     check("layer RMSNorm fused on CUDA", chk_rmsnorm)

@@ -1,4 +1,4 @@
-"""Top-k selection over indexer logits (SPEC §6.3): one program per row, exact, no full sort.
+"""Top-k selection over indexer logits (SPEC §6.3): one program per row, exact, no full sort of long rows.
 
 Group maxima give a threshold tau with at least k entries >= tau (typically ~k); the entries >= tau
 are collected through an atomic slot counter and sorted; rows with more than KC such entries (many
@@ -134,13 +134,28 @@ def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.const
             tl.store(out_row + c_hi + r, tl.where(r < base_b, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=r < need)
 
 
+@triton.jit
+def _topk_sort_kernel(logits, n, out, k, NP: tl.constexpr):
+    """Rows of at most NP entries: one sort of the whole row's (order key << 32 | index), descending;
+    the first k valid are the answer, as ``_topk_kernel`` orders them (score, then the higher index)."""
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, NP)
+    key = _ordered_key(tl.load(logits + t * n + r, mask=r < n, other=float("-inf")))
+    best = tl.sort((key.to(tl.int64) << 32) | r.to(tl.int64), 0, descending=True)
+    valid = (best >> 32) > -2147483648
+    tl.store(out + t * k + r, tl.where(valid, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=r < k)
+
+
 def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, ways: int = 16,
-                 candidates: int | None = None, group: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                 candidates: int | None = None, group: int | None = None, num_warps: int | None = None,
+                 sort_max: int | None = None) -> torch.Tensor:
     """[T, topk] int32: per row the indices of the ``topk`` largest finite logits (by score), then -1.
 
     Exact selection (ties broken arbitrarily); ``chunk``, ``ways`` (bisection fan-out), ``candidates``
     (the largest candidate set sorted), ``group`` (entries a group maximum) and ``num_warps`` are tuning
     knobs. Default groups leave >= 2 * topk group maxima a row, so tau keeps typically ~topk candidates.
+    Rows no longer than the candidate buffer (``n <= candidates``, e.g. 1024 entries at 4K context) skip
+    the threshold search: one sort of the row (``sort_max``: 0 turns that off).
     """
     num_tokens, n = logits.shape
     out = torch.empty((num_tokens, topk), dtype=torch.int32, device=logits.device)
@@ -149,6 +164,10 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     if n == 0:
         return out.fill_(-1)
     kc = next_pow2(max(candidates or 1024, 2 * topk if candidates is None else topk))
+    if n <= (kc if sort_max is None else sort_max):
+        extra = {} if INTERPRET else {"num_warps": num_warps or 8}
+        _topk_sort_kernel[(num_tokens,)](logits, n, out, topk, NP=max(next_pow2(n), next_pow2(topk)), **extra)
+        return out
     g = group or max(1, min(16, next_pow2(n // (2 * topk) + 1) // 2))
     ch = max(chunk or (64 if INTERPRET else 2048), g)
     ng = -(-n // g)

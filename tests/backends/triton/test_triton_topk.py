@@ -16,7 +16,9 @@ def test_topk_indices_exact() -> None:
     logits[4, 30:] = float("-inf")  # fewer valid entries than k
     logits[5] = float("-inf")
     logits[6, ::2] = float("-inf")
-    for kwargs in ({"chunk": 64, "candidates": 64}, {"chunk": 128, "candidates": 16, "ways": 4}):
+    # threshold search (rows longer than the candidate buffer), then one sort of the row (n <= candidates)
+    for kwargs in ({"chunk": 64, "candidates": 64}, {"chunk": 128, "candidates": 16, "ways": 4}, {},
+                   {"candidates": 1024}):
         out = topk_indices(logits, k, **kwargs)
         assert out.shape == (7, k) and out.dtype == torch.int32
         for t in range(7):
@@ -29,3 +31,27 @@ def test_topk_indices_exact() -> None:
             if nv:
                 kth = logits[t][finite].sort(descending=True).values[nv - 1]
                 assert torch.all(logits[t][sel] >= kth)
+
+
+def test_topk_sort_path_orders_like_the_threshold_path() -> None:
+    """Short rows take one sort of the row; the result (order included: score, then the higher index
+    among equal scores) equals the threshold-search path's on rows without ties at the cut, and a
+    row shorter than k is padded with -1."""
+    from dsv4.backends.triton.topk import topk_indices
+
+    n, k = 200, 32
+    logits = torch.randn(4, n)
+    logits[1, 50:] = float("-inf")
+    logits[2, 10:] = float("-inf")  # 10 valid entries < k
+    logits[3, :] = torch.arange(n).float() % 7  # ties everywhere
+    fast = topk_indices(logits, k)  # default candidate buffer 1024 >= n: the sort path
+    slow = topk_indices(logits, k, sort_max=0, chunk=64)
+    assert torch.equal(fast[:2], slow[:2])
+    assert torch.equal(fast[2, :10].sort().values, torch.arange(10, dtype=torch.int32))
+    assert torch.all(fast[2, 10:] == -1)
+    scores = logits[0][fast[0].long()]
+    assert torch.all(scores[:-1] >= scores[1:])  # by score, descending
+    top, idx = logits[3][fast[3].long()], fast[3]
+    assert torch.equal(top, torch.tensor([6.0] * 28 + [5.0] * 4))  # 28 entries of 6 (i % 7 == 6), then 5s
+    same = top[:-1] == top[1:]
+    assert torch.all(idx[:-1][same] > idx[1:][same])  # among equal scores, the higher index first
