@@ -271,14 +271,14 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
 
 
 def cmd_make_layer_golden(args: argparse.Namespace) -> int:
-    from dsv4.conformance.layer_golden import load_layer_golden, make_layer_golden
+    from dsv4.conformance.layer_golden import DEFAULT_STEPS, make_layer_golden
+    from dsv4.specs.config import ModelConfig
 
     path = make_layer_golden(args.file, preset=args.preset, seed=args.seed, numerics=args.numerics)
-    meta, tensors = load_layer_golden(path)
-    tokens = tensors["input"].shape[1]
-    _console().print(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(meta['layers'])} layers "
-                     f"(ratios {[spec['compress_ratio'] for spec in meta['layers']]}), {tokens} tokens in "
-                     f"{len(meta['steps'])} steps, outputs of the reference backend")
+    ratios = list(ModelConfig.preset(args.preset).compress_ratios)
+    _console().print(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(ratios)} layers "
+                     f"(ratios {ratios}), {sum(n for _, n in DEFAULT_STEPS)} tokens in {len(DEFAULT_STEPS)} "
+                     "steps, outputs of the reference backend")
     return 0
 
 

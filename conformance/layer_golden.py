@@ -188,8 +188,8 @@ def make_layer_golden(path: str | Path, preset: str = "tiny-g2", seed: int = 0, 
     backend on the CPU (single process). Replaying it with other backends, devices or a TP/CP layout
     then checks them against one process of the reference by SPEC §14's rule. The official golden in
     ``shared/goldens`` has ``o_groups`` 1 and so cannot run at TP=2; ``tiny-g2`` (8 heads, 2 groups)
-    can. Deterministic on one machine: the same arguments give the same bytes. Returns the json path (the tensors are
-    beside it, ``.safetensors``).
+    can. Deterministic on one machine: the same arguments give the same bytes. Returns the json path
+    (the tensors are beside it, ``.safetensors``).
     """
     path = Path(path)
     if path.suffix != ".json":

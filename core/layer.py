@@ -88,37 +88,45 @@ class Compressor(nn.Module):
         order, on the tensor cores instead of fp32 FMA (H200, V4-Flash, 64 tokens: see docs/triton.md).
         """
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
-        fused = self._fused_weight(compute)
         if (x.dtype == torch.bfloat16 and compute == torch.float32
                 and x.device.type in batch_invariant.MM_OUT_FP32_DEVICES):
-            twin = self._bf16_twin(fused)
+            twin = self._bf16_twin()
             if twin is not None:
                 return batch_invariant.mm_fp32_out(x, twin)
-        return linear(x.to(compute), fused)
+        return linear(x.to(compute), self._fused_weight(compute))
 
-    def _bf16_twin(self, fused: torch.Tensor) -> torch.Tensor | None:
-        """``fused`` in bf16 when that is exact (every value a bf16 value), else None.
+    def _weights_key(self) -> tuple[int, ...]:
+        # changes when a weight is replaced, moved or written in place (load_state_dict bumps versions)
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        return wkv.data_ptr(), wgate.data_ptr(), wkv._version, wgate._version
 
-        Decided once per fused weight (one device sync); while a CUDA graph is being captured an
+    def _bf16_twin(self) -> torch.Tensor | None:
+        """``[Wkv; Wgate]`` in bf16 when that is exact (every value a bf16 value), else None.
+
+        Decided once per weight version (one device sync); while a CUDA graph is being captured an
         undecided weight takes the fp32 path instead of syncing (warm up before capture to get the
-        fast path in the graph).
+        fast path in the graph). Only the bf16 copy is kept then, not an fp32 ``[Wkv; Wgate]`` too.
         """
-        if getattr(self, "_twin_key", None) != self._fused_key:
-            if fused.is_cuda and torch.cuda.is_current_stream_capturing():
+        key = self._weights_key()
+        if getattr(self, "_twin_key", None) != key:
+            wkv, wgate = self.wkv.weight, self.wgate.weight
+            if wkv.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
-            twin = fused.to(torch.bfloat16)
-            self._twin = twin if torch.equal(twin.to(fused.dtype), fused) else None
-            self._twin_key = self._fused_key
+            with torch.no_grad():
+                twin = torch.cat([wkv, wgate], 0).to(torch.bfloat16)
+                exact = torch.equal(twin[: wkv.shape[0]].to(wkv.dtype), wkv) and \
+                    torch.equal(twin[wkv.shape[0]:].to(wgate.dtype), wgate)
+            self._twin, self._twin_key = (twin if exact else None), key
+            if exact:  # the fp32 copy is not needed on this path
+                self._fused, self._fused_key = None, None
         return self._twin
 
     def _fused_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        # ``[Wkv; Wgate]`` built once, not on every step: rebuilt only when a weight is replaced,
-        # moved or written in place (load_state_dict bumps the tensors' version counters).
-        wkv, wgate = self.wkv.weight, self.wgate.weight
-        key = (wkv.data_ptr(), wgate.data_ptr(), wkv._version, wgate._version, dtype)
+        """``[Wkv; Wgate]`` in ``dtype``, built once per weight version, not on every step."""
+        key = (*self._weights_key(), dtype)
         if getattr(self, "_fused_key", None) != key:
             with torch.no_grad():
-                self._fused = torch.cat([wkv, wgate], 0).to(dtype)
+                self._fused = torch.cat([self.wkv.weight, self.wgate.weight], 0).to(dtype)
             self._fused_key = key
         return self._fused
 

@@ -37,6 +37,18 @@ def _fill(cache: PagedKVCache) -> None:
                 codec.write_rows(storage, chunk, rows, check=False)
 
 
+def decode_step(cfg: ModelConfig, layer_ids: list[int], batch: int, context: int, device: str):
+    """The planned decode step (one more token for each of ``batch`` requests of ``context`` tokens) on a
+    new cache whose every page is filled (``_fill``; ``step.cache``). Seeded: the same bytes every call."""
+    pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
+             "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
+    cache = PagedKVCache(cfg, layer_ids, num_blocks={k: batch * v for k, v in pages.items()}, device=device)
+    cache.plan_step([StepRequest(i, context) for i in range(batch)])
+    torch.manual_seed(0)
+    _fill(cache)
+    return cache.plan_step([StepRequest(i, 1) for i in range(batch)])
+
+
 def _time(fn, repeats: int = 30, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
@@ -69,14 +81,8 @@ def _graph(fn):
 def bench(batch: int, context: int, backends: str, preset: str = "v4-flash", device: str = "cuda") -> list[dict]:
     cfg = ModelConfig.preset(preset)
     layer_ids = [cfg.layer_ids(LayerKind.CSA)[0], cfg.layer_ids(LayerKind.HCA)[0]]
-    torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-             "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
-    cache = PagedKVCache(cfg, layer_ids, num_blocks={k: batch * v for k, v in pages.items()}, device=device)
-    cache.plan_step([StepRequest(i, context) for i in range(batch)])
-    _fill(cache)
-    step = cache.plan_step([StepRequest(i, 1) for i in range(batch)])
+    step = decode_step(cfg, layer_ids, batch, context, device)
     x = torch.randn(batch, cfg.hidden_size, generator=g).to(device, torch.bfloat16)
     rows = []
     for layer_id in layer_ids:

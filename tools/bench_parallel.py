@@ -28,25 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import _fill, _graph, _time
+from bench_layer import _graph, _time, decode_step
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cache(cfg, layer_id: int, batch: int, context: int, device: str):
-    from dsv4 import PagedKVCache, StepRequest
-
-    pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-             "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
-    cache = PagedKVCache(cfg, [layer_id], num_blocks={k: batch * v for k, v in pages.items()}, device=device)
-    cache.plan_step([StepRequest(i, context) for i in range(batch)])
-    torch.manual_seed(0)  # every rank: the same cache bytes
-    _fill(cache)
-    return cache, cache.plan_step([StepRequest(i, 1) for i in range(batch)])
 
 
 def _row_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +87,7 @@ def _rank(rank: int, tp: int, port: int, args: argparse.Namespace, out_dir: str)
                     row = {"preset": preset, "layer": f"{kind.name} {layer_id}", "backends": backends, "tp": tp,
                            "batch": args.batch, "context": args.context, "allreduce_eager_ms": ar_eager,
                            "allreduce_graph_ms": ar_graph}
-                    cache, step = _cache(cfg, layer_id, args.batch, args.context, device)
+                    step = decode_step(cfg, [layer_id], args.batch, args.context, device)
                     with torch.no_grad():
                         if rank == 0:  # TP=1 on rank 0 alone
                             one = ParallelAttention(cfg, layer_id, backends=backends)
@@ -131,7 +119,7 @@ def _rank(rank: int, tp: int, port: int, args: argparse.Namespace, out_dir: str)
                             row["max_err_over_max"] = float(diff / single.float().abs().max())
                             row["min_row_cosine"] = _row_cosine(sharded, single)
                             rows.append(row)
-                        del shard, cache, step
+                        del shard, step
                         if args.device == "cuda":
                             torch.cuda.empty_cache()
                         dist.barrier()

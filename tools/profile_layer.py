@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import _fill, _graph
+from bench_layer import _graph, decode_step
 
 
 def profile(preset: str, batch: int, context: int, backends: str, steps: int) -> list[dict]:
-    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+    from dsv4 import Attention, ModelConfig
     from dsv4.specs.layer_kinds import LayerKind
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -32,13 +32,7 @@ def profile(preset: str, batch: int, context: int, backends: str, steps: int) ->
     rows = []
     for kind in (LayerKind.CSA, LayerKind.HCA):
         layer_id = cfg.layer_ids(kind)[0]
-        pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-                 "state4": context // 4 + 2, "state128": context // 8 + 2}
-        cache = PagedKVCache(cfg, [layer_id], num_blocks={k: batch * v for k, v in pages.items()}, device="cuda")
-        cache.plan_step([StepRequest(i, context) for i in range(batch)])
-        torch.manual_seed(0)
-        _fill(cache)
-        step = cache.plan_step([StepRequest(i, 1) for i in range(batch)])
+        step = decode_step(cfg, [layer_id], batch, context, "cuda")
         x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
         attn = Attention(cfg, layer_id, backends=backends)
         attn.reset_parameters(torch.Generator().manual_seed(1))

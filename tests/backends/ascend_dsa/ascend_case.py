@@ -8,40 +8,29 @@ past ``lens``, empty padding rows, and optionally padded bf16 pages (NaN in the 
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from dsv4.codecs import get_codec
 
-SOFTMAX_SCALE = 512 ** -0.5
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashmla"))
+from sparse_case import SOFTMAX_SCALE, SparseCase, assert_attention_close, filled_cache
+
 WINDOW = 128
+__all__ = ["SOFTMAX_SCALE", "WINDOW", "AscendCase", "assert_close", "make_case", "reference"]
 
 
 @dataclass
-class AscendCase:
-    q: torch.Tensor
-    swa_cache: torch.Tensor
-    swa_indices: torch.Tensor
-    swa_lens: torch.Tensor
-    extra_cache: torch.Tensor | None
-    extra_indices: torch.Tensor | None
-    extra_lens: torch.Tensor | None
-    sink: torch.Tensor
-    kv_format: str
+class AscendCase(SparseCase):
+    """A :class:`SparseCase` plus the query positions and a contiguous SWA cache for the reference."""
+
     positions: list[int]
     ref_swa_cache: torch.Tensor          # contiguous copy for the reference (padded pages aside)
 
-    def args(self) -> tuple:
-        return (self.q, self.swa_cache, self.swa_indices, self.swa_lens, self.extra_cache,
-                self.extra_indices, self.extra_lens, self.sink)
-
-
-def _cache(kv_format: str, num_blocks: int, block: int) -> torch.Tensor:
-    codec = get_codec(kv_format)
-    cache = codec.allocate(num_blocks, block, "cpu")
-    rows = torch.randn(num_blocks * block, 512) * torch.rand(num_blocks * block, 1) * 2
-    codec.write_rows(cache, torch.arange(num_blocks * block, dtype=torch.int64), rows)
-    return cache
+    def for_reference(self) -> SparseCase:
+        return dataclasses.replace(self, swa_cache=self.ref_swa_cache)
 
 
 def _tables(lengths: list[int], block: int) -> tuple[list[torch.Tensor], int]:
@@ -83,9 +72,9 @@ def make_case(*, kind: str, kv_format: str = "ascend_bf16", heads: int = 64, swa
     its last ``queries[r]`` positions are the query tokens (chunked prefill / decode)."""
     ratio = {"swa": 1, "hca": 128, "csa": 4}[kind]
     swa_tables, swa_pages = _tables(list(lengths), swa_block)
-    swa_cache = _cache(kv_format, swa_pages, swa_block)
+    swa_cache = filled_cache(kv_format, swa_pages, swa_block)
     cmp_tables, cmp_pages = _tables([n // ratio for n in lengths], cmp_block)
-    extra_cache = _cache(kv_format, cmp_pages, cmp_block) if kind != "swa" else None
+    extra_cache = filled_cache(kv_format, cmp_pages, cmp_block) if kind != "swa" else None
 
     swa_rows, cmp_rows, positions = [], [], []
     for r, (length, count) in enumerate(zip(lengths, queries)):
@@ -135,19 +124,11 @@ def make_case(*, kind: str, kv_format: str = "ascend_bf16", heads: int = 64, swa
 
 def reference(case: AscendCase) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 ideal reference on the same dequantized caches (SPEC §13)."""
-    from dsv4.reference import sparse_attention
+    from sparse_case import reference as sparse_reference
 
-    return sparse_attention(case.q.double(), case.ref_swa_cache, case.swa_indices, case.swa_lens, case.extra_cache,
-                            case.extra_indices, case.extra_lens, case.sink.double(), kv_format=case.kv_format,
-                            softmax_scale=SOFTMAX_SCALE, profile="ascend")
+    return sparse_reference(case.for_reference(), "ascend")
 
 
 def assert_close(out: torch.Tensor, case: AscendCase) -> None:
     """The suite's sparse-attention rule for the ``ascend`` profile against the float64 reference."""
-    from dsv4.conformance.metrics import compare_tensor
-    from dsv4.conformance.tolerances import tolerance_for
-
-    ref_out, _ = reference(case)
-    assert out.shape == ref_out.shape and out.dtype == torch.bfloat16
-    verdict = compare_tensor(out, ref_out, tolerance_for("sparse_attention", "out", "ascend"))
-    assert verdict["passed"], verdict
+    assert_attention_close(out, None, case.for_reference(), "ascend")

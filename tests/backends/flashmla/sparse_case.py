@@ -32,7 +32,8 @@ class SparseCase:
                 self.extra_indices, self.extra_lens, self.sink)
 
 
-def _filled_cache(kv_format: str, num_blocks: int, block_size: int) -> torch.Tensor:
+def filled_cache(kv_format: str, num_blocks: int, block_size: int) -> torch.Tensor:
+    """uint8 pages of ``kv_format`` with every slot written (random rows of random scale)."""
     codec = get_codec(kv_format)
     cache = codec.allocate(num_blocks, block_size, "cpu")
     slots = torch.arange(num_blocks * block_size, dtype=torch.int64)
@@ -61,12 +62,12 @@ def make_case(*, num_tokens: int, heads: int, kv_format: str = "fp8_ds_mla", swa
               swa_width: int = 128, extra_block: int | None = None, extra_width: int = 0,
               num_blocks: int = 5, holes: bool = True) -> SparseCase:
     """A case; ``extra_block=None`` means an SWA-only layer (no compressed cache)."""
-    swa_cache = _filled_cache(kv_format, num_blocks, swa_block)
+    swa_cache = filled_cache(kv_format, num_blocks, swa_block)
     swa_indices, swa_lens = _table(num_tokens, swa_width, num_blocks * swa_block, holes=holes)
     extra_cache = extra_indices = extra_lens = None
     if extra_block is not None:
         extra_blocks = max(num_blocks, -(-extra_width // extra_block) + 2)
-        extra_cache = _filled_cache(kv_format, extra_blocks, extra_block)
+        extra_cache = filled_cache(kv_format, extra_blocks, extra_block)
         extra_indices, extra_lens = _table(num_tokens, extra_width, extra_blocks * extra_block, holes=holes)
     q = (torch.randn(num_tokens, heads, 512) * 3).to(torch.bfloat16)
     sink = torch.randn(heads) * 2
