@@ -20,6 +20,8 @@ R rows with an online (rescaled) softmax, so the pooled row stays in registers.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,11 @@ from dsv4.backends.triton._common import (
 )
 from dsv4.backends.triton.layout import KeyLayout, LatentLayout
 from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
+
+try:  # programmatic dependent launch (PDL) intrinsics of Triton's NVIDIA backend; referenced only when PDL > 0
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - other backends
+    gdc_launch_dependents = gdc_wait = None
 
 __all__ = ["compress_insert"]
 
@@ -210,7 +217,7 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                       u8_ptr, bf16_ptr, block_size: tl.constexpr, page_stride, token_stride, nope_offset,
                       rope_offset, scale_offset, scale_stride,
                       RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-                      FUSE: tl.constexpr, EARLY: tl.constexpr,
+                      FUSE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
                       NOPE: tl.constexpr, ROPE: tl.constexpr,
                       QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
                       DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
@@ -219,6 +226,9 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
     this call, and writes ``fused[g]`` (``_store_flag``: finished here, closing tokens left)."""
     HALF: tl.constexpr = COFF * D
     cols = tl.arange(0, D)
+    if PDL:
+        gdc_wait()  # launched early (PDL): the previous kernel's writes (kv_score, state) are visible after this
+        gdc_launch_dependents()  # the second launch may start (and wait) on SMs this one leaves idle
     if COFF == 2:
         group = tl.program_id(0)
         t0 = group.to(tl.int64) * G
@@ -321,7 +331,8 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
                        u8_ptr, bf16_ptr, block_size: tl.constexpr, page_stride, token_stride, nope_offset,
                        rope_offset, scale_offset, scale_stride,
                        RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, GB: tl.constexpr,
-                       FUSE_G: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                       FUSE_G: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, NOPE: tl.constexpr,
+                       ROPE: tl.constexpr,
                        QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
                        DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
     """Program b: tokens [b*GB, b*GB+GB). Each closing token that ``_save_fuse_kernel`` did not finish
@@ -329,6 +340,9 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
     is written by then, SPEC §5.2 / §5.4) and finishes it."""
     HALF: tl.constexpr = COFF * D
     WINDOW: tl.constexpr = COFF * RATIO
+    if PDL:
+        gdc_wait()  # the first launch's writes (flags, state rows) are visible after this
+        gdc_launch_dependents()  # the next call's first launch may start; it waits for this one
     t = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     ok = t < num_tokens
     if FUSE_G > 0:
@@ -389,6 +403,13 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
                         DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
 
 
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90+ with Triton's GDC intrinsics."""
+    return (not INTERPRET and gdc_wait is not None and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                     state_cache: torch.Tensor, state_block_table: torch.Tensor,
                     state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
@@ -397,7 +418,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     hadamard: torch.Tensor | None, rope_dim: int, eps: float, _fuse: bool | None = None,
                     _rows: int | None = None, _warps: int | None = None, _pool_group: int | None = None,
                     _pool_warps: int | None = None, _save_only: bool = False, _second: bool = True,
-                    _early: bool | None = None) -> None:
+                    _early: bool | None = None, _pdl: bool | None = None) -> None:
     """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2.
 
     Tuning (benchmarks and tests; defaults from the H200 sweep in docs/triton.md): ``_fuse`` forces the
@@ -407,7 +428,9 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     pooling, ``_second`` = False the second launch (docs/triton.md's time split); ``_early`` (r = 4) issues
     the group's loads before the window check (a barrier keeps the compiler from sinking them; default on
     for d = 128). ``hadamard`` [d, d] (Sylvester, SPEC §6.5) only switches the rotation on: its factors are
-    built in registers.
+    built in registers. ``_pdl`` (default: on where supported, NVIDIA sm_90+) launches both kernels with
+    programmatic dependent launch: each waits (griddepcontrol.wait) for the previous kernel's writes before
+    its first access, so results are unchanged; the launch latency overlaps the previous kernel's tail.
     """
     num_tokens = kv_score.shape[0]
     if num_tokens == 0:
@@ -442,11 +465,13 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     # 8 warps 331 us; d = 128 1 warp 51 us, 4 warps 228 us; r = 128 4 warps 84 us, 8 warps 93 us).
     default_warps = 4 if head_dim == 512 else 1
     warps = {} if INTERPRET else {"num_warps": _warps or default_warps}
+    pdl = _pdl_supported(kv_score.device) if _pdl is None else _pdl and _pdl_supported(kv_score.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _save_fuse_kernel[(programs,)](
         kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
         ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], fused, num_tokens,
         *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse,
-        EARLY=head_dim == 128 if _early is None else _early, **finish_meta, **warps)
+        EARLY=head_dim == 128 if _early is None else _early, PDL=pdl, **finish_meta, **warps, **launch)
     if _save_only or not _second:
         return
     # Second launch: one token a program for small batches (decode); groups of 16 for large ones, where
@@ -457,4 +482,4 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     _state_pool_kernel[(triton.cdiv(num_tokens, pool_group),)](
         positions, token_request, out_slot_mapping, state_cache, state_block_table, state_block_table.stride(0),
         state_cache.shape[1], fused, num_tokens, *finish_args, RATIO=ratio, D=head_dim, COFF=coff, GB=pool_group,
-        FUSE_G=group if fuse else 0, R=_rows or 8, **finish_meta, **pool_warps)
+        FUSE_G=group if fuse else 0, R=_rows or 8, PDL=pdl, **finish_meta, **pool_warps, **launch)

@@ -3,9 +3,10 @@
 ``indexer_q``: one program per (token, block of heads). ``indexer_topk``: a Triton kernel writes
 ``logit[t, j] = sum_h w[t,h] relu(q[t,h] . k[j])`` for every request-local entry j (keys read in
 place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)//r``): one program
-per (token, range of entries) holds q once and streams key tiles through the tensor cores: e4m3
-codes on the fp8 MMAs when q is exactly e4m3 after a per-head power-of-two shift (FP4- or
-FP8-quantized q, as indexer_q leaves it), dequantized bf16 operands otherwise. ``topk.py`` then
+per (token, range of entries) holds q once and streams key tiles through the tensor cores. When q is
+exactly e4m3 after a per-head power-of-two shift (FP4- or FP8-quantized q, as indexer_q leaves it):
+fp8 keys as e4m3 codes on the fp8 MMAs; mxfp4 keys decoded with their block scales into bf16 by integer
+ops, one K=128 bf16 MMA a tile (``_mx_tiles``). Otherwise dequantized bf16 operands. ``topk.py`` then
 selects the top-k of each row. Rows whose visible count is <= topk skip scoring (SPEC §6.3
 short-context shortcut).
 """
@@ -21,7 +22,6 @@ from dsv4.backends.triton._common import (
     INTERPRET,
     ceil_log2_exponent,
     decode_e4m3,
-    e2m1_as_e4m3,
     encode_e4m3,
     pow2_from_exponent,
     round_bf16,
@@ -29,6 +29,7 @@ from dsv4.backends.triton._common import (
     to_bf16,
     word_bytes,
 )
+from dsv4.backends.triton.indexer_mx import _mx_tiles
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
@@ -187,14 +188,10 @@ def _e4m3_operand(codes, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _q_operand(codes_row, heads, head_ok, col0, D: tl.constexpr, DB: tl.constexpr, KPERM: tl.constexpr,
-               DOT_DTYPE: tl.constexpr):
-    """Columns [col0, col0 + DB) of a token's q codes (uint8 [heads, D]) as the dot operand [DB, HP];
-    KPERM: in the key tile's permuted order (operand row lohi*DB/2 + 4c + m = element 8c + 2m + lohi)."""
-    k = tl.arange(0, DB)
-    if KPERM:
-        k = 8 * ((k % (DB // 2)) // 4) + 2 * (k % 4) + k // (DB // 2)
-    codes = tl.load(codes_row + heads[:, None] * D + col0 + k[None, :], mask=head_ok[:, None], other=0)
+def _q_operand(codes_row, heads, head_ok, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A token's q codes (uint8 [heads, D]) as the fp8 dot operand [D, HP]."""
+    k = tl.arange(0, D)
+    codes = tl.load(codes_row + heads[:, None] * D + k[None, :], mask=head_ok[:, None], other=0)
     return tl.trans(_e4m3_operand(codes, DOT_DTYPE))
 
 
@@ -218,93 +215,44 @@ def _tile_rows(bt_row, start, scored_end, block_size, page_stride, value_bytes, 
 
 
 @triton.jit
-def _tile_loads(i32_ptr, f32_ptr, valid, row_base, scale_idx, BN: tl.constexpr, NB: tl.constexpr,
-                HB: tl.constexpr):
-    """The tile's bytes as NB (1 or 4) int32 tensors [BN, HB / 4] (one per scale block) and its scale word [BN]."""
-    base = i32_ptr + (row_base // 4)[:, None] + tl.arange(0, HB // 4)[None, :]
-    r0 = tl.load(base, mask=valid[:, None], other=0)
-    if NB == 4:
-        r1 = tl.load(base + HB // 4, mask=valid[:, None], other=0)
-        r2 = tl.load(base + 2 * (HB // 4), mask=valid[:, None], other=0)
-        r3 = tl.load(base + 3 * (HB // 4), mask=valid[:, None], other=0)
-    else:
-        r1 = r0
-        r2 = r0
-        r3 = r0
-    return r0, r1, r2, r3, tl.load(f32_ptr + scale_idx, mask=valid, other=0.0)
+def _tile_loads(i32_ptr, f32_ptr, valid, row_base, scale_idx, NW: tl.constexpr):
+    """The tile's e4m3 bytes as int32 words [BN, NW] and its fp32 scales [BN]."""
+    words = tl.load(i32_ptr + (row_base // 4)[:, None] + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)
+    return words, tl.load(f32_ptr + scale_idx, mask=valid, other=0.0)
 
 
 @triton.jit
-def _tile_scores(r0, r1, r2, r3, sword, q0, q1, q2, q3, w2, BN: tl.constexpr, HB: tl.constexpr,
-                 MXFP4: tl.constexpr, KPERM: tl.constexpr, IMPRECISE: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
-    """[BN] scores of one tile from its loaded bytes (see _fp8_tiles)."""
-    if MXFP4:
-        sbits = sword.to(tl.int32, bitcast=True)
-        k0 = _e4m3_operand(e2m1_as_e4m3(r0, BN, HB, KPERM), DOT_DTYPE)
-        acc = tl.dot(k0, q0) * ((sbits & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k1 = _e4m3_operand(e2m1_as_e4m3(r1, BN, HB, KPERM), DOT_DTYPE)
-        acc += tl.dot(k1, q1) * (((sbits >> 8) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k2 = _e4m3_operand(e2m1_as_e4m3(r2, BN, HB, KPERM), DOT_DTYPE)
-        acc += tl.dot(k2, q2) * (((sbits >> 16) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-        k3 = _e4m3_operand(e2m1_as_e4m3(r3, BN, HB, KPERM), DOT_DTYPE)
-        acc += tl.dot(k3, q3) * (((sbits >> 24) & 255) << 23).to(tl.float32, bitcast=True)[:, None]
-    else:
-        codes = word_bytes(r0, BN, HB // 4)
-        acc = tl.dot(_e4m3_operand(codes, DOT_DTYPE), q0, max_num_imprecise_acc=IMPRECISE) * sword[:, None]
-    return tl.sum(tl.maximum(acc, 0.0) * w2[None, :], 1)
-
-
-@triton.jit
-def _fp8_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size,
-               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
-               D: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr, QBLOCK: tl.constexpr,
-               IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, KPERM: tl.constexpr,
-               PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Scores of entries [lo, scored_end) from e4m3 codes on the fp8 tensor cores (q exact, see _q_codes_kernel).
-
-    mxfp4: per 32-block b, ``D_b = codes_k[:, b] @ codes_q[b]^T`` (one K=32 MMA, e2m1 x e2m1 products
-    summed exactly) and ``acc += D_b * 2**(s_jb - 127)`` in fp32. fp8 keys: one K=128 MMA on the stored
-    codes (IMPRECISE: K elements per tensor-core partial sum) times the row's fp32 scale. Then
-    ``score = sum_h w2_h relu(acc)`` with q's shift (and the 2**-6 of the code map) folded into w2.
+def _fp8_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size, page_stride, value_bytes,
+               scale_offset, scale_bytes, out_row, lo, scored_end, hi, D: tl.constexpr, BN: tl.constexpr,
+               IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Scores of fp8-key entries [lo, scored_end) from e4m3 codes on the fp8 tensor cores (q exact, see
+    _q_codes_kernel): one K=128 MMA on the stored codes (IMPRECISE: K elements per tensor-core partial
+    sum) times the row's fp32 scale, then ``score = sum_h w2_h relu(acc)`` (q's shift folded into w2).
     PREFETCH (1 or 2): tiles whose bytes are loaded ahead into registers (the loop's latency hiding).
     """
     offs = tl.arange(0, BN)
-    if MXFP4:
-        tl.static_assert(D // QBLOCK == 4, "mxfp4 fp8 path: four scale blocks a key")
-        NB: tl.constexpr = 4
-        HB: tl.constexpr = QBLOCK // 2  # packed bytes a scale block
-        q0 = _q_operand(codes_row, heads, head_ok, 0, D, QBLOCK, KPERM, DOT_DTYPE)
-        q1 = _q_operand(codes_row, heads, head_ok, QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
-        q2 = _q_operand(codes_row, heads, head_ok, 2 * QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
-        q3 = _q_operand(codes_row, heads, head_ok, 3 * QBLOCK, D, QBLOCK, KPERM, DOT_DTYPE)
-    else:
-        NB: tl.constexpr = 1
-        HB: tl.constexpr = D
-        q0 = _q_operand(codes_row, heads, head_ok, 0, D, D, False, DOT_DTYPE)
-        q1 = q0
-        q2 = q0
-        q3 = q0
+    q0 = _q_operand(codes_row, heads, head_ok, D, DOT_DTYPE)
     i32_ptr = f32_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     geometry = (scored_end, block_size, page_stride, value_bytes, scale_offset, scale_bytes)
     va, ra, sa = _tile_rows(bt_row, lo, *geometry, BN, PAGE_TILE)
-    a0, a1, a2, a3, aw = _tile_loads(i32_ptr, f32_ptr, va, ra, sa, BN, NB, HB)
+    aw, asc = _tile_loads(i32_ptr, f32_ptr, va, ra, sa, D // 4)
     if PREFETCH == 2:
         vb, rb, sb = _tile_rows(bt_row, lo + BN, *geometry, BN, PAGE_TILE)
-        b0, b1, b2, b3, bw = _tile_loads(i32_ptr, f32_ptr, vb, rb, sb, BN, NB, HB)
+        bw, bsc = _tile_loads(i32_ptr, f32_ptr, vb, rb, sb, D // 4)
     for start in range(lo, scored_end, BN):
         # issue the loads PREFETCH tiles ahead (masked off past the end), then score the current tile
         vc, rc, sc = _tile_rows(bt_row, start + PREFETCH * BN, *geometry, BN, PAGE_TILE)
-        c0, c1, c2, c3, cw = _tile_loads(i32_ptr, f32_ptr, vc, rc, sc, BN, NB, HB)
-        score = _tile_scores(a0, a1, a2, a3, aw, q0, q1, q2, q3, w2, BN, HB, MXFP4, KPERM, IMPRECISE,
-                             DOT_DTYPE)
+        cw, csc = _tile_loads(i32_ptr, f32_ptr, vc, rc, sc, D // 4)
+        codes = word_bytes(aw, BN, D // 4)
+        acc = tl.dot(_e4m3_operand(codes, DOT_DTYPE), q0, max_num_imprecise_acc=IMPRECISE) * asc[:, None]
+        score = tl.sum(tl.maximum(acc, 0.0) * w2[None, :], 1)
         j = start + offs
         tl.store(out_row + j, tl.where(va, score, float("-inf")), mask=j < hi)
         if PREFETCH == 2:
-            va, a0, a1, a2, a3, aw = vb, b0, b1, b2, b3, bw
-            vb, b0, b1, b2, b3, bw = vc, c0, c1, c2, c3, cw
+            va, aw, asc = vb, bw, bsc
+            vb, bw, bsc = vc, cw, csc
         else:
-            va, a0, a1, a2, a3, aw = vc, c0, c1, c2, c3, cw
+            va, aw, asc = vc, cw, csc
 
 
 @triton.jit
@@ -313,13 +261,13 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                            logits, max_entries, chunk, ratio, topk, num_heads, codes_ptr, w2_ptr, exact_ptr,
                            D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
                            QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
-                           IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, KPERM: tl.constexpr,
-                           PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr,
+                           W: tl.constexpr, MX_FP16: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key tiles
     through the tensor cores with relu and the weighted head sum fused; keys are read once from their
-    pages (the bytes floor), logits written once. FP8: e4m3 codes on the fp8 MMAs when the token's q is
-    exactly representable (``exact_ptr``, see _q_codes_kernel; always for FP4- / FP8-quantized q), else
-    the bf16 path."""
+    pages (the bytes floor), logits written once. FP8: when the token's q is exactly e4m3 after its shift
+    (``exact_ptr``, see _q_codes_kernel; always for FP4- / FP8-quantized q) fp8 keys take the fp8 MMAs
+    (``_fp8_tiles``) and mxfp4 keys one bf16 MMA a tile (``_mx_tiles``); else the bf16 path. W: warps."""
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * chunk
     hi = tl.minimum(lo + chunk, max_entries)
@@ -339,10 +287,14 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
         if FP8:
             if tl.load(exact_ptr + t) != 0:
                 w2 = tl.load(w2_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
-                _fp8_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr,
-                           block_size, page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo,
-                           scored_end, hi, D, BN, MXFP4, QBLOCK, IMPRECISE, PAGE_TILE, KPERM, PREFETCH,
-                           DOT_DTYPE)
+                if MXFP4:
+                    _mx_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
+                              page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+                              D, BN, PAGE_TILE, W, PREFETCH, MX_FP16, DOT_DTYPE)
+                else:
+                    _fp8_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
+                               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
+                               D, BN, IMPRECISE, PAGE_TILE, PREFETCH, DOT_DTYPE)
             else:
                 w = tl.load(w_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
                 _bf16_tiles(q_ptr, stride_qt, stride_qh, t, heads, head_ok, w, bt_row, u8_ptr, f32_ptr, block_size,
@@ -410,16 +362,18 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
                    imprecise: int | None = None, maxnreg: int | None = None, kperm: bool = True,
-                   prefetch: int = 1) -> torch.Tensor:
+                   prefetch: int = 1, mx_fp16: bool = False) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
-    ``fp8``: e4m3 codes on the fp8 tensor cores where q is exact (default: where the device has fp8
-    MMAs, and under the interpreter); ``imprecise``: fp8 keys' K elements a tensor-core partial sum
-    (default 32: fp32 sums of K=32 partial products, as DeepSeek's promotion; 128: one partial sum).
-    ``block_entries`` (key tile), ``num_splits`` (entry ranges per token), ``num_warps``, ``num_stages`` and
-    ``maxnreg`` (registers a thread; 0: the compiler's choice) are tuning knobs for benchmarks; the default
-    grid fills the device.
+    ``fp8``: the e4m3-code path where q is exact (default: where the device has fp8 MMAs, and under the
+    interpreter): fp8 keys on the fp8 tensor cores, mxfp4 keys decoded with their block scales to bf16
+    (``mx_fp16``: fp16, exact within 24 binades of a key's largest block scale instead of 133);
+    ``imprecise``: fp8 keys' K elements a tensor-core partial sum (default 32: fp32 sums of K=32 partial
+    products, as DeepSeek's promotion; 128: one partial sum). ``block_entries`` (key tile),
+    ``num_splits`` (entry ranges per token), ``num_warps``, ``num_stages``, ``maxnreg`` (registers a
+    thread; 0: the compiler's choice) and ``prefetch`` (tiles loaded ahead, 1 or 2) are tuning knobs for
+    benchmarks; the default grid fills the device. ``kperm`` is accepted and ignored (former layout knob).
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
@@ -450,10 +404,6 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     codes, w2, exact = q_codes(q, w, mxfp4=mxfp4) if fp8 else (q, w, w)
     # the fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after issuing it)
     extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": num_stages or (1 if fp8 else 3)}
-    if maxnreg is None and fp8 and mxfp4:
-        # at most 128 registers a thread (136 otherwise; no spills): 4 programs a multiprocessor instead of 3.
-        # H200, b=128 at 128K: 0.241 -> 0.236 ms (4 splits; 3: 0.238, 5: 0.258, 6: 0.244; 120 registers: 0.250)
-        maxnreg = 128
     if maxnreg and not INTERPRET:
         extra["maxnreg"] = maxnreg
     _indexer_logits_kernel[(num_tokens, splits)](
@@ -461,7 +411,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
         key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads, codes, w2, exact,
         D=dim, HP=hp, BN=bn, MXFP4=mxfp4, QBLOCK=layout.quant_block,
         HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
-        PAGE_TILE=layout.block_size % bn == 0, KPERM=bool(kperm), PREFETCH=prefetch,
+        PAGE_TILE=layout.block_size % bn == 0, PREFETCH=prefetch,
+        W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16),
         DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 

@@ -148,10 +148,13 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
             torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("kind", ["spread0", "spread11", "spread12", "mixed", "extreme"])
-def test_indexer_logits_mxfp4_scales(kind: str) -> None:
-    """mxfp4 keys on the fp8 path vs the float64 reference on adversarial UE8M0 scale bytes written in place
-    (equal, 11 or 12 binades apart in a row, one far row in a tile, anything in 40..199)."""
+@pytest.mark.parametrize(("kind", "mx_fp16"), [("spread0", False), ("spread11", False), ("spread12", False),
+                                               ("mixed", False), ("extreme", False), ("spread134", False),
+                                               ("spread12", True), ("extreme", True)])
+def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool) -> None:
+    """mxfp4 keys on the tensor-core path (bf16 operands, or fp16 with ``mx_fp16``) vs the float64 reference
+    on adversarial UE8M0 scale bytes written in place (equal, 11 / 12 / 134 binades apart in a row, one
+    far row in a tile, anything in 40..199): within 1e-5 of each row's largest score."""
     from dsv4.backends.triton.indexer import indexer_logits
     from dsv4.backends.triton.layout import key_layout
     from dsv4.specs.formats import get_format
@@ -164,8 +167,9 @@ def test_indexer_logits_mxfp4_scales(kind: str) -> None:
     base = torch.randint(100, 140, (n, 1))
     if kind == "spread0":
         scales = base.expand(n, 4)
-    elif kind in ("spread11", "spread12"):
-        spread = 11 if kind == "spread11" else 12
+    elif kind in ("spread11", "spread12", "spread134"):
+        spread = int(kind[6:])
+        base = torch.randint(0, 6, (n, 1)) if spread > 100 else base  # low blocks near 2**-127
         scales = base + torch.randint(0, spread + 1, (n, 4))
         scales[:, 0], scales[:, 1] = base[:, 0], base[:, 0] + spread
         scales = scales[:, torch.randperm(4)]
@@ -184,7 +188,7 @@ def test_indexer_logits_mxfp4_scales(kind: str) -> None:
     expected = indexer_scores(q.double(), w.double(), rows)
     expected[1, 50:] = float("-inf")
     got = indexer_logits(q, w, positions, torch.zeros(2, dtype=torch.int32), cache, key_layout("indexer_mxfp4", cache),
-                         table, topk=4, ratio=4, fp8=True, block_entries=32).double()
+                         table, topk=4, ratio=4, fp8=True, block_entries=32, mx_fp16=mx_fp16).double()
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(got), finite)
     for t in range(2):
