@@ -17,7 +17,6 @@ __all__ = [
     "ceil_log2_exponent",
     "decode_e4m3",
     "dot_dtype",
-    "e2m1_as_e4m3",
     "encode_e4m3",
     "fp4_code",
     "next_pow2",
@@ -135,19 +134,3 @@ def word_bytes(words, BN: tl.constexpr, NW: tl.constexpr):
     b01 = tl.join((words & 255).to(tl.uint8), ((words >> 8) & 255).to(tl.uint8))
     b23 = tl.join(((words >> 16) & 255).to(tl.uint8), ((words >> 24) & 255).to(tl.uint8))
     return tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), (BN, 4 * NW))
-
-
-@triton.jit
-def e2m1_as_e4m3(words, BN: tl.constexpr, HB: tl.constexpr, KPERM: tl.constexpr):
-    """[BN, 2*HB] uint8 e4m3 codes of packed mxfp4 bytes (int32 words [BN, HB/4]): nibble c ->
-    ((c & 8) << 4) | ((c & 7) << 2), whose e4m3 value is e2m1(c) * 2**-6 exactly (normal and subnormal
-    codes); low nibble first (SPEC §9.3). Four bytes at a time (5 integer ops a word and half).
-    KPERM: columns [low nibbles of bytes 4c..4c+3 for each c | high nibbles likewise] (each register of
-    codes is an operand register as is; q's columns follow the same order, see _q_operand)."""
-    sign = -2139062144  # 0x80808080
-    lo = word_bytes(((words << 4) & sign) | ((words << 2) & 0x1C1C1C1C), BN, HB // 4)
-    hi = word_bytes((words & sign) | ((words >> 2) & 0x1C1C1C1C), BN, HB // 4)
-    if KPERM:
-        pair = tl.join(tl.reshape(lo, (BN, HB // 4, 4)), tl.reshape(hi, (BN, HB // 4, 4)))  # [BN, c, m, lohi]
-        return tl.reshape(tl.permute(pair, (0, 3, 1, 2)), (BN, 2 * HB))
-    return tl.reshape(tl.join(lo, hi), (BN, 2 * HB))

@@ -361,7 +361,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
-                   imprecise: int | None = None, maxnreg: int | None = None, kperm: bool = True,
+                   imprecise: int | None = None, maxnreg: int | None = None,
                    prefetch: int = 1, mx_fp16: bool = False) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
@@ -373,7 +373,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     products, as DeepSeek's promotion; 128: one partial sum). ``block_entries`` (key tile),
     ``num_splits`` (entry ranges per token), ``num_warps``, ``num_stages``, ``maxnreg`` (registers a
     thread; 0: the compiler's choice) and ``prefetch`` (tiles loaded ahead, 1 or 2) are tuning knobs for
-    benchmarks; the default grid fills the device. ``kperm`` is accepted and ignored (former layout knob).
+    benchmarks; the default grid fills the device.
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size

@@ -138,7 +138,7 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
         expected[2, 50:] = float("-inf")
         runs = [indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=False, block_entries=32),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, block_entries=16, num_splits=3),
-                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, kperm=False, block_entries=32),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, mx_fp16=True, block_entries=32),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, prefetch=1, imprecise=128, block_entries=32,
                                num_splits=2)]
         for got in runs:
