@@ -105,7 +105,15 @@ def test_bf16_serving_close_to_ideal(profile: str) -> None:
              torch.arange(4, dtype=torch.int32)[None], positions, ape.to(dtype), norm_weight, cos_sin.to(dtype),
              out_cache, ratio, head_dim, "bf16", profile)
         rows[dtype] = get_codec("bf16").read_rows(out_cache, torch.arange(4))
-    torch.testing.assert_close(rows[torch.float32], rows[torch.float64], rtol=2 ** -6, atol=2 ** -7)
+    got, ideal = rows[torch.float32], rows[torch.float64]
+    nope = head_dim - 64
+    torch.testing.assert_close(got[:, :nope], ideal[:, :nope], rtol=2 ** -6, atol=2 ** -7)
+    # RoPE (GPT-J pairs) rotates bf16-rounded values: one rounding that lands on the other side moves a pair
+    # by one bf16 ULP of its larger element, in any direction after the rotation (which keeps the pair norm).
+    pair_norm = ideal[:, nope:].float().view(-1, 32, 2).norm(dim=-1, keepdim=True)
+    ulp = torch.exp2(torch.floor(torch.log2(pair_norm.clamp_min(2 ** -126))) - 7).expand(-1, 32, 2).reshape(-1, 64)
+    err = (got[:, nope:].float() - ideal[:, nope:].float()).abs()
+    assert torch.all(err <= 2 ** -7 + 2 ** -6 * ideal[:, nope:].float().abs() + ulp), float((err - ulp).max())
 
 
 def test_rounding_points_differ_between_profiles() -> None:
