@@ -7,18 +7,29 @@ The integer forms below are exact round-to-nearest-even everywhere and cost a fe
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (griddepcontrol) intrinsics of Triton's NVIDIA backend
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - Triton builds without the NVIDIA extras
+    gdc_launch_dependents = gdc_wait = None
+
 __all__ = [
     "INTERPRET",
+    "DeviceFacts",
     "ceil_log2_exponent",
     "decode_e4m3",
+    "device_facts",
     "dot_dtype",
     "encode_e4m3",
     "fp4_code",
+    "gdc_launch_dependents",
+    "gdc_wait",
     "next_pow2",
     "pow2_from_exponent",
     "rne_integer",
@@ -29,6 +40,34 @@ __all__ = [
 ]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the kernels' launch wrappers ask of a device (looked up once per device: host overhead)."""
+
+    num_sms: int  # multiprocessors (grid sizing); 4 off CUDA
+    hw_e4m3: bool  # cvt e4m3x2 and fp8 MMAs: sm_89+ CUDA (ROCm's FNUZ e4m3, XPU, the interpreter: integer decode)
+    rne_cvt: bool  # the fp32 -> bf16 cast rounds to nearest even (CUDA), so no integer rounding first
+    pdl: bool  # programmatic dependent launch (griddepcontrol): sm_90+ CUDA with Triton's GDC intrinsics
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """``DeviceFacts`` of ``device`` (a CUDA device without an index means the current one)."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _device_facts(device.type, index)
+
+
+@cache
+def _device_facts(device_type: str, index: int | None) -> DeviceFacts:
+    if device_type != "cuda" or INTERPRET:
+        return DeviceFacts(4, False, False, False)
+    props = torch.cuda.get_device_properties(index)
+    cuda = torch.version.hip is None
+    return DeviceFacts(props.multi_processor_count, cuda and (props.major, props.minor) >= (8, 9), cuda,
+                       cuda and props.major >= 9 and gdc_wait is not None)
 
 
 def dot_dtype() -> torch.dtype:

@@ -20,26 +20,22 @@ R rows with an online (rescaled) softmax, so the pooled row stays in registers.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from dsv4.backends.triton._common import (
     INTERPRET,
     ceil_log2_exponent,
+    device_facts,
     encode_e4m3,
+    gdc_launch_dependents,
+    gdc_wait,
     next_pow2,
     pow2_from_exponent,
     round_bf16,
 )
 from dsv4.backends.triton.layout import KeyLayout, LatentLayout
 from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
-
-try:  # programmatic dependent launch (PDL) intrinsics of Triton's NVIDIA backend; referenced only when PDL > 0
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - other backends
-    gdc_launch_dependents = gdc_wait = None
 
 __all__ = ["compress_insert"]
 
@@ -403,13 +399,6 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
                         DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
 
 
-@functools.cache
-def _pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90+ with Triton's GDC intrinsics."""
-    return (not INTERPRET and gdc_wait is not None and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                     state_cache: torch.Tensor, state_block_table: torch.Tensor,
                     state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
@@ -465,7 +454,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     # 8 warps 331 us; d = 128 1 warp 51 us, 4 warps 228 us; r = 128 4 warps 84 us, 8 warps 93 us).
     default_warps = 4 if head_dim == 512 else 1
     warps = {} if INTERPRET else {"num_warps": _warps or default_warps}
-    pdl = _pdl_supported(kv_score.device) if _pdl is None else _pdl and _pdl_supported(kv_score.device)
+    pdl = device_facts(kv_score.device).pdl and (_pdl is None or _pdl)
     launch = {"launch_pdl": True} if pdl else {}
     _save_fuse_kernel[(programs,)](
         kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,

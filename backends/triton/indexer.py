@@ -12,7 +12,6 @@ short-context shortcut).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -22,6 +21,7 @@ from dsv4.backends.triton._common import (
     INTERPRET,
     ceil_log2_exponent,
     decode_e4m3,
+    device_facts,
     encode_e4m3,
     pow2_from_exponent,
     round_bf16,
@@ -29,7 +29,7 @@ from dsv4.backends.triton._common import (
     to_bf16,
     word_bytes,
 )
-from dsv4.backends.triton.indexer_mx import _mx_tiles
+from dsv4.backends.triton.indexer_mx import _key_rows, _mx_tiles
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
@@ -205,13 +205,13 @@ def _tile_rows(bt_row, start, scored_end, block_size, page_stride, value_bytes, 
         page = tl.load(bt_row + start // block_size, mask=start < scored_end, other=-1)
         valid = j < tl.where(page >= 0, scored_end, start)  # an unmapped page: nothing valid
         in_page = start % block_size + offs
+        page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
+        row_base = page_base + in_page * value_bytes
+        scale_idx = (page_base + scale_offset + in_page * scale_bytes) // 4
     else:
-        valid = j < scored_end
-        page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
-        valid = valid & (page >= 0)
-        in_page = j % block_size
-    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
-    return valid, page_base + in_page * value_bytes, (page_base + scale_offset + in_page * scale_bytes) // 4
+        valid, row_base, scale_idx = _key_rows(bt_row, j, scored_end, block_size, page_stride, value_bytes,
+                                               scale_offset, scale_bytes)
+    return valid, row_base, scale_idx
 
 
 @triton.jit
@@ -334,16 +334,6 @@ def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
     return out, w
 
 
-@functools.cache
-def _device_facts(device_type: str, index: int | None) -> tuple[int, bool]:
-    """(multiprocessors, hardware e4m3: cvt and fp8 MMAs) of a device, looked up once (host overhead per call)."""
-    if device_type != "cuda" or INTERPRET:
-        return 4, False
-    props = torch.cuda.get_device_properties(index)
-    # e4m3 cvt and MMAs exist on sm_89+ CUDA; ROCm (FNUZ e4m3 on gfx942) uses the exact integer decode.
-    return props.multi_processor_count, torch.version.hip is None and (props.major, props.minor) >= (8, 9)
-
-
 def q_codes(q: torch.Tensor, w: torch.Tensor, *, mxfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, heads, D] bf16, w [T, heads] fp32 -> (e4m3 codes uint8 [T, heads, D], w2 fp32 [T, heads],
     exact int32 [T]); see ``_q_codes_kernel`` (mxfp4: the 2**-6 of the nibble map folded into w2)."""
@@ -380,7 +370,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_entries == 0:
         return logits
-    sms, hw_e4m3 = _device_facts(q.device.type, q.device.index)
+    facts = device_facts(q.device)
+    sms, hw_e4m3 = facts.num_sms, facts.hw_e4m3
     mxfp4 = layout.format_name == "indexer_mxfp4"
     if fp8 is None:
         fp8 = hw_e4m3 or INTERPRET

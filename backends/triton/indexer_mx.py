@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from dsv4.backends.triton._common import decode_e4m3, pow2_from_exponent
 
-__all__ = ["_mx_tiles"]
+__all__ = ["_key_rows", "_mx_tiles"]
 
 
 @triton.jit
@@ -148,6 +148,18 @@ def _page(bt_row, pidx, start, scored_end, PAGE_TILE: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(bt_row, j, scored_end, block_size, page_stride, value_bytes, scale_offset, scale_bytes):
+    """Request-local entries j [N] of a paged key cache, one page-table load and division each: (valid
+    [N] (j < scored_end on a mapped page), value byte offsets int64 [N], scale word indices int64 [N])."""
+    valid = j < scored_end
+    page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
+    valid = valid & (page >= 0)
+    in_page = j % block_size
+    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride
+    return valid, page_base + in_page * value_bytes, (page_base + scale_offset + in_page * scale_bytes) // 4
+
+
+@triton.jit
 def _mx_loads(i32_ptr, bt_row, page, start, inpg, rows, scored_end, block_size, page_stride, value_bytes,
               scale_offset, scale_bytes, NW: tl.constexpr, PAGE_TILE: tl.constexpr):
     """The tile at ``start`` (rows ``rows``, load order): (valid [BN], words int32 [BN, NW], scale words
@@ -161,13 +173,9 @@ def _mx_loads(i32_ptr, bt_row, page, start, inpg, rows, scored_end, block_size, 
         row_w = page_base // 4 + in_page * (value_bytes // 4)
         scale_w = (page_base + scale_offset) // 4 + in_page * (scale_bytes // 4)
     else:
-        valid = j < scored_end
-        pg = tl.load(bt_row + j // block_size, mask=valid, other=-1)
-        valid = valid & (pg >= 0)
-        in_page = j % block_size
-        page_base = tl.where(valid, pg, 0).to(tl.int64) * page_stride
-        row_w = (page_base + in_page * value_bytes) // 4
-        scale_w = (page_base + scale_offset + in_page * scale_bytes) // 4
+        valid, row_b, scale_w = _key_rows(bt_row, j, scored_end, block_size, page_stride, value_bytes, scale_offset,
+                                          scale_bytes)
+        row_w = row_b // 4
     words = tl.load(i32_ptr + row_w[:, None] + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)
     return valid, words, tl.load(i32_ptr + scale_w, mask=valid, other=0)
 

@@ -25,12 +25,11 @@ rounding only under the interpreter), the softmax scale folded into one FMA per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
-from dsv4.backends.triton._common import INTERPRET, decode_e4m3, next_pow2, round_bf16, to_bf16
+from dsv4.backends.triton._common import INTERPRET, decode_e4m3, device_facts, next_pow2, round_bf16, to_bf16
 from dsv4.backends.triton.layout import LatentLayout
 from dsv4.specs.errors import CacheLayoutError
 
@@ -365,20 +364,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # host-side: triton.cdiv is a jit function, slow to call from Python
 
 
-@cache
-def _device_facts(device_type: str, index: int | None) -> tuple[int, bool, bool]:
-    """(multiprocessors, hardware e4m3 cvt, RNE fp32 -> bf16 cast) of a device, looked up once."""
-    if device_type != "cuda":
-        return 4, False, False
-    props = torch.cuda.get_device_properties(index)
-    # cvt e4m3x2 -> f16x2 exists on sm_89+; ROCm (FNUZ on gfx942), XPU and the interpreter decode in
-    # integer arithmetic (exact everywhere, SPEC §9.1).
-    hardware_e4m3 = not INTERPRET and torch.version.hip is None and (props.major, props.minor) >= (8, 9)
-    # CUDA's fp32 -> bf16 cvt rounds to nearest even, so probabilities need no integer rounding first.
-    rne_cvt = not INTERPRET and torch.version.hip is None
-    return props.multi_processor_count, hardware_e4m3, rne_cvt
-
-
 def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, int]:
     """(CHUNK, NOPE_CHUNKS, CHUNKS) of the kernel's ``[BN, CHUNKS, CHUNK]`` view of a record.
 
@@ -430,8 +415,8 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     has_extra = extra_cache is not None and extra_indices is not None
     swa_width = swa_indices.shape[1]
     ext_width = extra_indices.shape[1] if has_extra else 0
-    index = q.device.index if q.device.index is not None or q.device.type != "cuda" else torch.cuda.current_device()
-    num_sms, hardware_e4m3, rne_cvt = _device_facts(q.device.type, index)
+    facts = device_facts(q.device)
+    num_sms, hardware_e4m3, rne_cvt = facts.num_sms, facts.hw_e4m3, facts.rne_cvt
     tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
     bh = block_heads or tuning.block_heads
     bn = block_keys or tuning.block_keys
