@@ -50,6 +50,7 @@ class DeviceFacts:
     hw_e4m3: bool  # cvt e4m3x2 and fp8 MMAs: sm_89+ CUDA (ROCm's FNUZ e4m3, XPU, the interpreter: integer decode)
     rne_cvt: bool  # the fp32 -> bf16 cast rounds to nearest even (CUDA), so no integer rounding first
     pdl: bool  # programmatic dependent launch (griddepcontrol): sm_90+ CUDA with Triton's GDC intrinsics
+    tma: bool  # tensor-memory-accelerator copies (host TMA descriptors): sm_90+ CUDA
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -63,11 +64,11 @@ def device_facts(device: torch.device) -> DeviceFacts:
 @cache
 def _device_facts(device_type: str, index: int | None) -> DeviceFacts:
     if device_type != "cuda" or INTERPRET:
-        return DeviceFacts(4, False, False, False)
+        return DeviceFacts(4, False, False, False, False)
     props = torch.cuda.get_device_properties(index)
     cuda = torch.version.hip is None
     return DeviceFacts(props.multi_processor_count, cuda and (props.major, props.minor) >= (8, 9), cuda,
-                       cuda and props.major >= 9 and gdc_wait is not None)
+                       cuda and props.major >= 9 and gdc_wait is not None, cuda and props.major >= 9)
 
 
 def dot_dtype() -> torch.dtype:

@@ -30,12 +30,14 @@ from dsv4.backends.triton._common import (
     word_bytes,
 )
 from dsv4.backends.triton.indexer_mx import _key_rows, _mx_tiles
+from dsv4.backends.triton.indexer_tma import _fp8_tiles_tma, key_descriptor, tma_usable
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
 __all__ = ["indexer_logits", "indexer_q", "indexer_topk", "q_codes", "topk_indices"]
 
 _QUANT_FP4, _QUANT_FP8 = 0, 1
+TMA_STAGES = 8  # pipeline depth of the fp8 TMA key tiles: 4 boxes in flight (H200 sweep in docs/triton.md)
 
 
 @triton.jit
@@ -259,10 +261,10 @@ def _fp8_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size, page_
 def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
                            u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
                            logits, max_entries, chunk, ratio, topk, num_heads, codes_ptr, w2_ptr, exact_ptr,
-                           D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
+                           key_desc, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
                            QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
                            IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr,
-                           W: tl.constexpr, MX_FP16: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           W: tl.constexpr, MX_FP16: tl.constexpr, TMA: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key tiles
     through the tensor cores with relu and the weighted head sum fused; keys are read once from their
     pages (the bytes floor), logits written once. FP8: when the token's q is exactly e4m3 after its shift
@@ -291,6 +293,10 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                     _mx_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
                               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
                               D, BN, PAGE_TILE, W, PREFETCH, MX_FP16, DOT_DTYPE)
+                elif TMA:
+                    _fp8_tiles_tma(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, key_desc,
+                                   block_size, page_stride, scale_offset, out_row, lo, scored_end, hi, D, BN,
+                                   IMPRECISE, DOT_DTYPE)
                 else:
                     _fp8_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
                                page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
@@ -352,7 +358,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
                    imprecise: int | None = None, maxnreg: int | None = None,
-                   prefetch: int = 1, mx_fp16: bool = False) -> torch.Tensor:
+                   prefetch: int = 1, mx_fp16: bool = False, tma: bool | None = None) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
@@ -363,7 +369,9 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     products, as DeepSeek's promotion; 128: one partial sum). ``block_entries`` (key tile),
     ``num_splits`` (entry ranges per token), ``num_warps``, ``num_stages``, ``maxnreg`` (registers a
     thread; 0: the compiler's choice) and ``prefetch`` (tiles loaded ahead, 1 or 2) are tuning knobs for
-    benchmarks; the default grid fills the device.
+    benchmarks; the default grid fills the device. ``tma``: key tiles of the fp8 path as TMA boxes pipelined
+    over ``num_stages`` buffers (``indexer_tma``; default: on sm_90+ CUDA and the interpreter where tiles
+    never cross a page; fp8 keys only, see ``indexer_tma``); False: pointer loads prefetched in registers.
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
@@ -393,17 +401,21 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
     hp = max(16, triton.next_power_of_2(heads))
     codes, w2, exact = q_codes(q, w, mxfp4=mxfp4) if fp8 else (q, w, w)
-    # the fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after issuing it)
-    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": num_stages or (1 if fp8 else 3)}
+    use_tma = fp8 and (facts.tma or INTERPRET if tma is None else tma) and tma_usable(key_cache, layout, bn)
+    desc = key_descriptor(key_cache, layout, bn) if use_tma else None
+    # The pointer fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after
+    # issuing it); TMA boxes are multi-buffered by the pipeliner.
+    stages = num_stages or (TMA_STAGES if use_tma else 1 if fp8 else 3)
+    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": stages}
     if maxnreg and not INTERPRET:
         extra["maxnreg"] = maxnreg
     _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
         key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads, codes, w2, exact,
-        D=dim, HP=hp, BN=bn, MXFP4=mxfp4, QBLOCK=layout.quant_block,
+        desc, D=dim, HP=hp, BN=bn, MXFP4=mxfp4, QBLOCK=layout.quant_block,
         HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
         PAGE_TILE=layout.block_size % bn == 0, PREFETCH=prefetch,
-        W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16),
+        W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16), TMA=use_tma,
         DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
@@ -413,7 +425,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
                  topk: int, ratio: int, select: str = "triton", **tuning) -> torch.Tensor:
     """[T, topk] int32 request-local indices, valid first, -1 padded (SPEC §6.3).
 
-    ``select``: "triton" (``topk_indices``; H200 b=128 x 32768: 0.046 ms vs torch.topk 0.117 ms) or
+    ``select``: "triton" (``topk_indices``; H200 b=128 x 32768: 0.025 ms vs torch.topk 0.117 ms) or
     "torch" (``torch.topk``); ``tuning`` goes to indexer_logits.
     """
     num_tokens = q.shape[0]

@@ -58,21 +58,30 @@ def test_indexer_topk_tie_aware(key_format: str) -> None:
         assert torch.all(scores[valid.long()] >= kth - slack)
 
 
-@pytest.mark.parametrize("key_format,block_entries,num_splits", [
-    ("indexer_mxfp4", 16, 3),  # several programs per token, ranges ending mid-page
-    ("indexer_mxfp4", 32, 1),
-    ("indexer_fp8", 16, 2),
+@pytest.mark.parametrize("key_format,block_entries,num_splits,served,tma", [
+    ("indexer_mxfp4", 16, 3, False, None),  # several programs per token, ranges ending mid-page
+    ("indexer_mxfp4", 32, 1, False, None),
+    ("indexer_fp8", 16, 2, False, None),
+    ("indexer_mxfp4", 16, 3, True, None),  # served q: the e4m3 path (mxfp4: bf16 MMAs on decoded keys)
+    ("indexer_fp8", 16, 2, True, True),  # fp8 keys as TMA boxes, two a page
+    ("indexer_fp8", 16, 2, True, False),  # ... as pointer loads
+    ("indexer_fp8", 64, 1, True, True),  # one box a page
 ])
-def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_splits: int) -> None:
+def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_splits: int, served: bool,
+                                     tma: bool | None) -> None:
     """Every logit of the tiled kernel vs float64 reference scores (SPEC §6.3): visible entries scored,
-    -inf past (p+1)//4 and on unmapped pages, 0 / -inf on short-context rows."""
+    -inf past (p+1)//4 and on unmapped pages (an out-of-bounds TMA box), 0 / -inf on short-context rows.
+    ``served``: q and w from ``indexer_q`` (exact e4m3 codes: the fp8 / mxfp4 tensor-core paths)."""
     from dsv4.backends.triton.indexer import indexer_logits
+    from dsv4.backends.triton.indexer_tma import tma_usable
     from dsv4.backends.triton.layout import key_layout
 
-    block, pages, heads, topk = 16, 5, 64, 8
+    # served: two 16-entry tiles a page (fp8: TMA boxes at rows 0 and 16); 64-entry tiles: one a page
+    block = 64 if block_entries == 64 else 32 if served else 16
+    pages, heads, topk = max(96 // block, 2), 64, 8
     codec = get_codec(key_format)
     table = torch.randperm(12)[: 2 * pages].view(2, pages).to(torch.int32)
-    table[1, 4] = -1  # an unmapped page inside request 1's visible range
+    table[1, 80 // block - 1] = -1  # an unmapped page inside request 1's visible range
     cache = codec.allocate(12, block)
     mapped = table.clamp_min(0).long()
     slots = (mapped[:, :, None] * block + torch.arange(block)).flatten()
@@ -84,9 +93,13 @@ def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_sp
     token_request = torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)
     q = (torch.randn(6, heads, 128) * 2).to(torch.bfloat16)
     w = torch.randn(6, heads)
+    if served:
+        q, w = reference.indexer_q(q, w.to(torch.bfloat16), positions, cos_sin_table(320),
+                                   profile="deepseek" if key_format == "indexer_mxfp4" else "vllm")
     layout = key_layout(key_format, cache)
+    assert not tma or tma_usable(cache, layout, block_entries)  # the box path is the one tested
     logits = indexer_logits(q, w, positions, token_request, cache, layout, table, topk=topk, ratio=4,
-                            block_entries=block_entries, num_splits=num_splits)
+                            block_entries=block_entries, num_splits=num_splits, tma=tma)
     assert logits.shape == (6, pages * block)
     for t in range(6):
         visible = int(positions[t] + 1) // 4
@@ -104,8 +117,9 @@ def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_sp
         got = logits[t].double()
         finite = torch.isfinite(expected)
         assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], expected[~finite])
-        scale = expected[finite].abs().max().clamp_min(1e-30)
-        assert (got[finite] - expected[finite]).abs().max() <= 1e-5 * scale, f"token {t}"
+        if finite.any():  # (with 64-entry pages, request 1's short rows lie wholly on the unmapped page)
+            scale = expected[finite].abs().max().clamp_min(1e-30)
+            assert (got[finite] - expected[finite]).abs().max() <= 1e-5 * scale, f"token {t}"
 
 
 @pytest.mark.parametrize("key_format", ["indexer_mxfp4", "indexer_fp8"])
@@ -138,6 +152,7 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
         expected[2, 50:] = float("-inf")
         runs = [indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=False, block_entries=32),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, block_entries=16, num_splits=3),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, block_entries=16, tma=False),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, mx_fp16=True, block_entries=32),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, prefetch=1, imprecise=128, block_entries=32,
                                num_splits=2)]
@@ -148,10 +163,11 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
             torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize(("kind", "mx_fp16"), [("spread0", False), ("spread11", False), ("spread12", False),
-                                               ("mixed", False), ("extreme", False), ("spread134", False),
-                                               ("spread12", True), ("extreme", True)])
-def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool) -> None:
+@pytest.mark.parametrize(("kind", "mx_fp16", "block_entries"), [
+    ("spread0", False, 32), ("spread11", False, 32), ("spread12", False, 32), ("mixed", False, 32),
+    ("extreme", False, 32), ("spread134", False, 32), ("spread12", True, 32), ("extreme", True, 32),
+    ("spread134", False, 16)])  # 16: tiles inside a page (the page-tile addressing)
+def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool, block_entries: int) -> None:
     """mxfp4 keys on the tensor-core path (bf16 operands, or fp16 with ``mx_fp16``) vs the float64 reference
     on adversarial UE8M0 scale bytes written in place (equal, 11 / 12 / 134 binades apart in a row, one
     far row in a tile, anything in 40..199): within 1e-5 of each row's largest score."""
@@ -188,7 +204,7 @@ def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool) -> None:
     expected = indexer_scores(q.double(), w.double(), rows)
     expected[1, 50:] = float("-inf")
     got = indexer_logits(q, w, positions, torch.zeros(2, dtype=torch.int32), cache, key_layout("indexer_mxfp4", cache),
-                         table, topk=4, ratio=4, fp8=True, block_entries=32, mx_fp16=mx_fp16).double()
+                         table, topk=4, ratio=4, fp8=True, block_entries=block_entries, mx_fp16=mx_fp16).double()
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(got), finite)
     for t in range(2):

@@ -9,19 +9,25 @@ def test_topk_indices_exact() -> None:
     from dsv4.backends.triton.topk import topk_indices
 
     n, k = 600, 40
-    logits = torch.randn(7, n)
+    logits = torch.randn(8, n)
     logits[1, 100:] = float("-inf")
     logits[2] = torch.randint(0, 3, (n,)).float()  # heavy ties across the k-th value
     logits[3] = 2.0
     logits[4, 30:] = float("-inf")  # fewer valid entries than k
     logits[5] = float("-inf")
     logits[6, ::2] = float("-inf")
-    # threshold search (rows longer than the candidate buffer), then one sort of the row (n <= candidates)
-    for kwargs in ({"chunk": 64, "candidates": 64}, {"chunk": 128, "candidates": 16, "ways": 4}, {},
+    logits[7] = -torch.arange(n).float()  # sorted, negative: keys below zero
+    # threshold search (rows longer than the candidate buffer): in registers (default) and chunked
+    # (reg_max=0; candidates=64/16 force the many-ties fallback), then one sort of the row (n <= candidates)
+    for kwargs in ({"chunk": 64, "candidates": 64, "reg_max": 0},
+                   {"chunk": 128, "candidates": 16, "ways": 4, "reg_max": 0},
+                   {"candidates": 64}, {"candidates": 16, "ways": 4, "compact": 1, "store_keys": False},
+                   {"candidates": 128, "group": 16, "reload": True, "gstore": True, "bitonic_topk": True},
+                   {"candidates": 16, "hist": 64, "hist_steps": 2, "compact": 2, "ways": 8}, {},
                    {"candidates": 1024}):
         out = topk_indices(logits, k, **kwargs)
-        assert out.shape == (7, k) and out.dtype == torch.int32
-        for t in range(7):
+        assert out.shape == (8, k) and out.dtype == torch.int32
+        for t in range(8):
             finite = torch.isfinite(logits[t])
             nv = min(k, int(finite.sum()))
             row = out[t]
@@ -55,3 +61,23 @@ def test_topk_sort_path_orders_like_the_threshold_path() -> None:
     assert torch.equal(top, torch.tensor([6.0] * 28 + [5.0] * 4))  # 28 entries of 6 (i % 7 == 6), then 5s
     same = top[:-1] == top[1:]
     assert torch.all(idx[:-1][same] > idx[1:][same])  # among equal scores, the higher index first
+
+
+def test_topk_register_path_matches_chunked_path() -> None:
+    """The in-register kernel (rows of <= REG_MAX entries) returns the chunked kernel's output, order
+    included, for every knob: candidate slots from a scan of group or per-thread counts or from atomics,
+    keys stored or re-read, bitonic top-k or sort, bisection groups of 1-16 entries, placement groups
+    of 2-4, row kept or reloaded, group maxima in registers or through memory, histogram steps."""
+    from dsv4.backends.triton.topk import topk_indices
+
+    n, k = 1000, 48
+    logits = torch.randn(3, n)
+    logits[1, 900:] = float("-inf")
+    logits[2, ::5] = float("nan")
+    ref = topk_indices(logits, k, reg_max=0, candidates=128, chunk=128)
+    for kwargs in ({}, {"compact": 1}, {"compact": 2, "bitonic_topk": True}, {"group": 1, "compact": 1},
+                   {"group": 16, "ways": 32, "reload": True, "store_keys": True},
+                   {"gstore": True, "compact": 2},
+                   {"place_group": 2, "store_keys": True}, {"group": 4}, {"hist": 256},
+                   {"hist": 16, "hist_steps": 2, "compact": 2, "ways": 8}):
+        assert torch.equal(topk_indices(logits, k, candidates=128, **kwargs), ref), kwargs
