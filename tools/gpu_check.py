@@ -147,17 +147,22 @@ def chk_indexer_q(profile: str):
     return f"q exact fraction {(q == rq).float().mean().item():.4f}"
 
 
-def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16, served_q: bool = False):
-    """Top-k rows vs float64 scores; ``served_q``: q and w from ``indexer_q`` of the key format's profile
-    (the fp8 tensor-core path; random bf16 q takes the bf16 path), plus every visible logit checked."""
-    block = 64
-    entries = context // 4
+def _key_cache(key_format: str, entries: int, block: int):
+    """(codec, cache, table [2, pages]): two requests' indexer keys, random rows on shuffled pages."""
     pages = entries // block
     codec = get_codec(key_format)
     cache = codec.allocate(2 * pages, block, device=DEV)
     table = torch.randperm(2 * pages, device=DEV).to(torch.int32).view(2, pages)
     slots = (table.long()[:, :, None] * block + torch.arange(block, device=DEV)).flatten()
     codec.write_rows(cache, slots, torch.randn(slots.numel(), 128, device=DEV))
+    return codec, cache, table
+
+
+def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16, served_q: bool = False):
+    """Top-k rows vs float64 scores; ``served_q``: q and w from ``indexer_q`` of the key format's profile
+    (the fp8 tensor-core path; random bf16 q takes the bf16 path), plus every visible logit checked."""
+    block = 64
+    codec, cache, table = _key_cache(key_format, context // 4, block)
     pos = torch.randint(0, context, (t,), device=DEV)
     pos[0] = 100  # short-context row
     req = torch.randint(0, 2, (t,), device=DEV, dtype=torch.int32)
@@ -200,13 +205,8 @@ def chk_indexer_graph(key_format: str, context: int = 8192, t: int = 16):
     from dsv4.backends.triton.indexer_tma import tma_usable
     from dsv4.backends.triton.layout import key_layout
 
-    block, entries = 64, context // 4
-    pages = entries // block
-    codec = get_codec(key_format)
-    cache = codec.allocate(2 * pages, block, device=DEV)
-    table = torch.randperm(2 * pages, device=DEV).to(torch.int32).view(2, pages)
-    slots = (table.long()[:, :, None] * block + torch.arange(block, device=DEV)).flatten()
-    codec.write_rows(cache, slots, torch.randn(slots.numel(), 128, device=DEV))
+    entries = context // 4
+    _, cache, table = _key_cache(key_format, entries, 64)
     pos = torch.randint(entries, context, (t,), device=DEV)
     req = torch.randint(0, 2, (t,), device=DEV, dtype=torch.int32)
     profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"

@@ -14,6 +14,7 @@ from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
 from dsv4.backends.triton.sparse_attention import choose_num_splits, default_tuning
 from dsv4.codecs import get_codec
+from dsv4.conformance.tolerances import tolerance_for
 
 SCALE = 512 ** -0.5
 
@@ -51,6 +52,12 @@ def _run_case(kv_format: str, profile: str, heads: int = 8, extra_block: int = 8
     swa_lens[0], extra_lens[0] = 0, 0  # empty set: out 0, lse +inf
     extra_lens[1] = 40
     swa_lens[2] = 0  # extra entries only
+    if tolerance_for("sparse_attention", "out", profile).min_pass_fraction < 1:
+        # bf16 probabilities: the suite's 99.5% rule (SPEC §13) assumes rows of more than a handful of keys.
+        # One bf16 rounding flip of a probability moves every element of its row by ~2^-9 p |v|, so a row of
+        # 7 keys failed 2.6% of its elements (about 1 case in 150 before this line); full extra lists keep
+        # every non-empty row at tens of keys. Short rows stay covered by the fp32-probability profile.
+        extra_lens[1:] = 40
     q = (torch.randn(num_tokens, heads, 512) * 0.3).to(torch.bfloat16)
     sink = torch.randn(heads)
     sink[1] = float("-inf")  # no effect
