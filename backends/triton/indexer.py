@@ -294,9 +294,9 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
                               D, BN, PAGE_TILE, W, PREFETCH, MX_FP16, DOT_DTYPE)
                 elif TMA:
-                    _fp8_tiles_tma(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, key_desc,
-                                   block_size, page_stride, scale_offset, out_row, lo, scored_end, hi, D, BN,
-                                   IMPRECISE, DOT_DTYPE)
+                    _fp8_tiles_tma(_q_operand(codes_ptr + t * num_heads * D, heads, head_ok, D, DOT_DTYPE), w2,
+                                   bt_row, f32_ptr, key_desc, block_size, page_stride, scale_offset, out_row, lo,
+                                   scored_end, hi, D, BN, IMPRECISE, DOT_DTYPE)
                 else:
                     _fp8_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
                                page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,

@@ -51,28 +51,21 @@ def key_descriptor(key_cache: torch.Tensor, layout: KeyLayout, block_entries: in
 
 
 @triton.jit
-def _fp8_tiles_tma(codes_row, heads, head_ok, w2, bt_row, f32_ptr, desc, block_size, page_stride, scale_offset,
-                   out_row, lo, scored_end, hi, D: tl.constexpr, BN: tl.constexpr, IMPRECISE: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
+def _fp8_tiles_tma(q0, w2, bt_row, f32_ptr, desc, block_size, page_stride, scale_offset, out_row, lo, scored_end,
+                   hi, D: tl.constexpr, BN: tl.constexpr, IMPRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """``indexer._fp8_tiles`` with each tile's e4m3 codes [BN, D] one TMA box (fp8 [1, BN, D]; uint8 under the
     interpreter), multi-buffered by Triton's pipeline (``num_stages``; a box that feeds the dot is pipelined).
     The tile's fp32 scales [BN] (a plain load: Triton 3.6 pipelines only loads feeding the dot, and a scale
     box would be waited on where it is issued) are used one iteration later: tile i's head sums are scaled
     and stored in iteration i + 1, so the load has a whole tile to land. score = scale * sum_h w2_h
-    relu(acc_h), equal to scaling each product first: the scales are powers of two (SPEC §9.3)."""
+    relu(acc_h), equal to scaling each product first: the scales are powers of two (SPEC §9.3). q0: the token's
+    q codes as the dot's B operand [D, HP] (``indexer._q_operand``)."""
     offs = tl.arange(0, BN)
-    k = tl.arange(0, D)
-    qc = tl.load(codes_row + heads[:, None] * D + k[None, :], mask=head_ok[:, None], other=0)
-    if DOT_DTYPE == tl.float32:
-        q0 = tl.trans(decode_e4m3(qc))
-    else:
-        q0 = tl.trans(qc.to(tl.float8e4nv, bitcast=True))  # [D, HP]
-    # Tile i's sums are scaled and stored in iteration i + 1, so its scale load has a whole tile to land.
-    sum_p = tl.zeros([BN], tl.float32)
+    sum_p = tl.zeros([BN], tl.float32)  # the previous tile: head sums, scales, entries, validity, store mask
     scale_p = tl.zeros([BN], tl.float32)
     j_p = lo - BN + offs
-    valid_p = j_p < lo  # masked: nothing before lo
-    store_p = j_p < lo - BN
+    valid_p = offs < 0
+    store_p = offs < 0  # nothing before lo
     for start in range(lo, scored_end, BN):
         page = tl.load(bt_row + start // block_size)
         in_page = start % block_size

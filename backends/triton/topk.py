@@ -51,29 +51,19 @@ def _narrow(keys, n, k, lo, hi, c_lo, c_hi, spread, FLOAT: tl.constexpr, CH: tl.
 
 
 @triton.jit
-def _emit_sorted(crow, out_row, total, k, KC: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr,
-                 row=None):
+def _emit_sorted(crow, out_row, total, k, KC: tl.constexpr, row=None):
     """out_row[:k] int32 = indices of the ``total`` (<= KC) candidates by descending (key, index), then -1.
-    Candidates: ``crow[:total]`` int64 (key << 32 | index), or with SPLIT int32 keys ``crow[:total]`` and
-    indices ``crow[KC:KC + total]`` (keys re-read from the fp32 ``row`` when given). TOPK > 0: bitonic
-    top-TOPK (pow2 >= k) instead of a full sort."""
+    Candidates: ``crow[:total]`` int64 (key << 32 | index), or with ``row`` (the fp32 logits) int32 indices
+    ``crow[KC:KC + total]`` whose keys are re-read from the row."""
     r = tl.arange(0, KC)
-    if SPLIT:
-        ci = tl.load(crow + KC + r, mask=r < total, other=0)
-        if row is None:
-            ck = tl.load(crow + r, mask=r < total, other=-2147483648)
-        else:
-            ck = _ordered_key(tl.load(row + ci, mask=r < total, other=float("-inf")))
-        c = (ck.to(tl.int64) << 32) | ci.to(tl.int64)
-    else:
+    if row is None:
         c = tl.load(crow + r, mask=r < total, other=-9223372036854775807 - 1)
-    if TOPK > 0:
-        best = tl.topk(c, TOPK)
-        rr = tl.arange(0, TOPK)
     else:
-        best = tl.sort(c, 0, descending=True)
-        rr = r
-    tl.store(out_row + rr, tl.where(rr < total, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=rr < k)
+        ci = tl.load(crow + KC + r, mask=r < total, other=0)
+        ck = _ordered_key(tl.load(row + ci, mask=r < total, other=float("-inf")))
+        c = (ck.to(tl.int64) << 32) | ci.to(tl.int64)
+    best = tl.sort(c, 0, descending=True)
+    tl.store(out_row + r, tl.where(r < total, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=r < k)
 
 
 @triton.jit
@@ -130,24 +120,6 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _hist_step(gk, k, lo, hi, c_lo, c_hi, NB: tl.constexpr):
-    """One NB-bin histogram step of ``_narrow_reg``'s search on ``gk`` [NG] int32 (same invariants):
-    keys in [lo, hi) go to bins by a monotone map, the bin B holding the k-th key from the top gives
-    lo = the least key in bins >= B (count c_lo = keys >= lo) and hi = the least key in bins > B."""
-    inr = (gk >= lo) & (gk < hi)
-    scale = NB / (hi - lo).to(tl.float32)
-    f = tl.minimum((tl.where(inr, gk - lo, 0).to(tl.float32) * scale).to(tl.int32), NB - 1)  # non-decreasing
-    s = c_hi + tl.cumsum(tl.histogram(f, NB, mask=inr), 0, reverse=True)  # s[b] = count(key in bins >= b)
-    above = s >= k  # s[0] = c_lo >= k
-    b = tl.sum(above.to(tl.int32), 0) - 1
-    c_lo = tl.min(tl.where(above, s, 2147483647), 0)  # s[b]
-    c_hi = tl.where(b + 1 < NB, tl.max(tl.where(above, -1, s), 0), c_hi)  # s[b + 1]
-    lo = tl.min(tl.where(inr & (f >= b), gk, 2147483647), 0).to(tl.int64)
-    hi = tl.minimum(tl.min(tl.where(inr & (f > b), gk, 2147483647), 0).to(tl.int64), hi)
-    return lo, hi, c_lo, c_hi
-
-
-@triton.jit
 def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
                  WAYS: tl.constexpr, KC: tl.constexpr):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
@@ -199,26 +171,21 @@ def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.const
     tl.debug_barrier()
     total = tl.atomic_add(counter + t, 0, sem="relaxed", scope="cta")
     if total <= KC:
-        _emit_sorted(crow, out + t * k, total, k, KC, 0, False)
+        _emit_sorted(crow, out + t * k, total, k, KC)
     else:
         _fallback(row, n, out + t * k, crow, k, tau, hi, total, NCH, WAYS, KC)
 
 
 @triton.jit
-def _topk_reg_kernel(logits, n, out, gkeys, cand, counter, k, NP: tl.constexpr, G: tl.constexpr,
-                     BG: tl.constexpr, WAYS: tl.constexpr, KC: tl.constexpr, TOPK: tl.constexpr,
-                     COMPACT: tl.constexpr, RELOAD: tl.constexpr, GSTORE: tl.constexpr, KEYS: tl.constexpr,
-                     NT: tl.constexpr, HIST: tl.constexpr, HSTEPS: tl.constexpr, PHASE: tl.constexpr):
+def _topk_reg_kernel(logits, n, out, gkeys, cand, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                     WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr):
     """``_topk_kernel`` for rows of n <= NP entries held in registers whole ([NP // G, G] order keys).
 
-    One load of the row (every load in flight at once); maxima of groups of BG entries [NP // BG] reduced
-    in registers and bisected there (GSTORE: through ``gkeys`` [T, NP // BG] int32, a compact layout);
-    the entries >= tau go to ``cand`` [T, 2 * KC] int32 (keys, then indices) at slots from one scan of
-    the counts of groups of G entries (COMPACT 0, index order) or from one atomic a group on ``counter``
-    [T] int32 (COMPACT 1) or from one scan of per-thread counts (COMPACT 2, NT threads); HIST > 0 starts
-    the threshold search with up to HSTEPS HIST-bin histograms (``_hist_step``); RELOAD reloads the row (L2)
-    instead of keeping it live through the bisection; KEYS False stores only the indices (keys re-read
-    from the row for the sort). PHASE < 4 stops early (timing cut-offs).
+    One load of the row (every load in flight at once); the maxima of groups of BG entries [NP // BG] go
+    through ``gkeys`` [T, NP // BG] int32 into a compact layout and are bisected in registers
+    (``_narrow_reg``); the indices of the entries >= tau go to ``cand`` [T, 2 * KC] int32 (second half) at
+    slots from one scan of per-thread counts (THREAD_SCAN, NT threads) or of the counts of groups of G
+    entries, both in index order; their keys are re-read from the row for the sort (``_emit_sorted``).
     """
     t = tl.program_id(0).to(tl.int64)
     NG: tl.constexpr = NP // G
@@ -231,64 +198,31 @@ def _topk_reg_kernel(logits, n, out, gkeys, cand, counter, k, NP: tl.constexpr, 
     if BG > G:  # bisection on the maxima of BG entries (fewer values a bisection step)
         gmax = tl.max(tl.reshape(gmax, (NP // BG, BG // G)), 1)
     groups = tl.sum((gmax > lowest).to(tl.int32), 0)
-    hi = tl.max(gmax, 0).to(tl.int64) + 1
-    if PHASE == 1:
-        tl.store(out_row, groups)
-        return
+    hi = tl.max(gmax, 0).to(tl.int64) + 1  # max key + 1, kept for the fallback
     tau = lowest + 1  # fewer than k valid groups: every valid entry is a candidate
-    if COMPACT == 1:
-        tl.store(counter + t, 0)
-    if GSTORE:
-        gi = tl.arange(0, NP // BG)
-        tl.store(gkeys + t * (NP // BG) + gi, gmax)
-        tl.debug_barrier()
-        gk = tl.load(gkeys + t * (NP // BG) + gi)
-    else:
-        gk = gmax
+    gi = tl.arange(0, NP // BG)
+    tl.store(gkeys + t * (NP // BG) + gi, gmax)
+    tl.debug_barrier()
+    gk = tl.load(gkeys + t * (NP // BG) + gi)  # the maxima again, a few a thread instead of replicated
     if groups >= k:
         lo = tl.min(tl.where(gk > lowest, gk, 2147483647), 0).to(tl.int64)
-        b_hi = hi  # hi (max key + 1) stays for the fallback
-        c_lo = groups
-        c_hi = groups * 0
-        for _ in tl.static_range(HSTEPS):  # histogram steps first (then bisection only if still too wide)
-            if (c_lo - c_hi > k // 4) & (b_hi - lo > 1):
-                lo, b_hi, c_lo, c_hi = _hist_step(gk, k, lo, b_hi, c_lo, c_hi, HIST)
-        tau = _narrow_reg(gk, k, lo, b_hi, c_lo, c_hi, k // 4, WAYS)[0].to(tl.int32)
-    if PHASE == 2:
-        tl.store(out_row, tau)
-        return
-    if RELOAD:  # from L2 (.cg: not merged with the first load)
-        key = _ordered_key(tl.load(row + e, mask=e < n, other=float("-inf"), cache_modifier=".cg"))
+        tau = _narrow_reg(gk, k, lo, hi, groups, groups * 0, k // 4, WAYS)[0].to(tl.int32)
     take = key >= tau
     cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
     total = tl.sum(cnt, 0)
-    if COMPACT == 2:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
+    if THREAD_SCAN:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
         tk3 = tl.reshape(take.to(tl.int32), (NG // NT, NT, G))
         c2 = tl.sum(tk3, 2)  # [NG // NT, NT]
         c1 = tl.sum(c2, 0)  # [NT]
         b2 = (tl.cumsum(c1, 0) - c1)[None, :] + tl.cumsum(c2, 0) - c2
         slot = tl.reshape(b2[:, :, None] + tl.cumsum(tk3, 2) - 1, (NG, G))
     else:
-        if COMPACT == 1:
-            tl.debug_barrier()  # the counter's zero, stored by another thread
-            base = tl.atomic_add(counter + t + tl.arange(0, NG) * 0, cnt, mask=cnt > 0, sem="relaxed",
-                                 scope="cta")
-        else:
-            base = tl.cumsum(cnt, 0) - cnt
-        slot = base[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-    crow = cand + t * (2 * KC)  # int32 keys [KC], then int32 indices [KC]
-    if KEYS:
-        tl.store(crow + slot, key, mask=take & (slot < KC))
+        slot = (tl.cumsum(cnt, 0) - cnt)[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+    crow = cand + t * (2 * KC)  # int32 [2 * KC]: indices in the second half
     tl.store(crow + KC + slot, e, mask=take & (slot < KC))
     tl.debug_barrier()
-    if PHASE == 3:
-        tl.store(out_row, total)
-        return
     if total <= KC:
-        if KEYS:
-            _emit_sorted(crow, out_row, total, k, KC, TOPK, True)
-        else:
-            _emit_sorted(crow, out_row, total, k, KC, TOPK, True, row)
+        _emit_sorted(crow, out_row, total, k, KC, row)
     else:  # the same KC * 8 bytes as int64 (key << 32 | index)
         _fallback(row, n, out_row, crow.to(tl.pointer_type(tl.int64)), k, tau, hi, total, 512, WAYS, KC)
 
@@ -306,14 +240,12 @@ def _topk_sort_kernel(logits, n, out, k, NP: tl.constexpr):
 
 
 REG_MAX = 32768  # longest row held in registers whole (64 order keys a thread at 16 warps)
+_PLACE_GROUP = 4  # entries a group of the in-register candidate scan
 
 
 def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, ways: int | None = None,
                  candidates: int | None = None, group: int | None = None, num_warps: int | None = None,
-                 sort_max: int | None = None, reg_max: int | None = None, compact: int = 2,
-                 bitonic_topk: bool = False, reload: bool = False, gstore: bool = True,
-                 store_keys: bool = False, place_group: int = 4, hist: int = 0, hist_steps: int = 1,
-                 maxnreg: int | None = None, phase: int = 4) -> torch.Tensor:
+                 sort_max: int | None = None, reg_max: int | None = None) -> torch.Tensor:
     """[T, topk] int32: per row the indices of the ``topk`` largest finite logits (by score), then -1.
 
     ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). Exact selection; valid entries by descending
@@ -321,18 +253,13 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     threshold, i.e. many ties, take an ordered-compaction fallback instead). Rows no longer than the
     candidate buffer (``n <= candidates``, e.g. 1024 entries at 4K context) take one sort of the row
     (``sort_max``: 0 turns that off); rows of at most ``reg_max`` entries (default ``REG_MAX``; 0: off)
-    the in-register kernel, longer rows the chunked one.
+    the in-register kernel, longer rows the chunked one (``chunk`` entries a step).
 
-    Knobs, both threshold kernels: ``ways`` (bisection fan-out; default 8 in registers, 16 chunked),
-    ``candidates`` (the largest candidate set sorted), ``group`` (entries a group maximum; default
-    leaves >= 2 * topk group maxima a row, so tau keeps typically ~topk candidates), ``num_warps``.
-    Chunked only: ``chunk``. In-register only: ``compact`` (candidate slots from a scan of 0: group
-    counts, 1: atomics a group, 2: per-thread counts), ``gstore`` (group maxima through memory into a
-    compact layout), ``store_keys`` (store candidate keys, else re-read them from the row),
-    ``place_group`` (entries a group of the candidate scan), ``hist`` / ``hist_steps`` (bins / steps
-    of histogram search before the bisection; 0: off), ``bitonic_topk``, ``reload``, ``maxnreg``,
-    ``phase`` (< 4: stop after phase 1-3, output garbage; timing only). Defaults: the fastest on the
-    H200 (CUDA-graph replay, k=512: 128 rows of 32768 48.3 -> 24.9 us, of 8192 27.1 -> 14.8 us).
+    Knobs: ``ways`` (bisection fan-out; default 8 in registers, 16 chunked), ``candidates`` (the largest
+    candidate set sorted), ``group`` (entries a group maximum; the default leaves >= 2 * topk group
+    maxima a row, so tau keeps typically ~topk candidates), ``num_warps``. Defaults: the fastest on the
+    H200 (CUDA-graph replay, k=512: 128 rows of 32768 48.3 -> 24.9 us, of 8192 27.1 -> 14.8 us; the
+    variants measured and not kept are in docs/triton.md, "Sixth round").
     """
     num_tokens, n = logits.shape
     out = torch.empty((num_tokens, topk), dtype=torch.int32, device=logits.device)
@@ -348,26 +275,18 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     g = group or max(1, min(16, next_pow2(n // (2 * topk) + 1) // 2))
     extra = {} if INTERPRET else {"num_warps": num_warps or 16}
     cand = torch.empty((num_tokens, kc), dtype=torch.int64, device=logits.device)
-    counter = torch.empty((num_tokens,), dtype=torch.int32, device=logits.device)
     np_ = max(next_pow2(n), g)
     if np_ <= (REG_MAX if reg_max is None else reg_max):
-        pg = min(place_group, g)
+        pg = min(_PLACE_GROUP, g)
         nt = 32 * extra.get("num_warps", 4)
-        if compact == 2 and (np_ // pg) % nt:
-            compact = 0
-        if maxnreg and not INTERPRET:
-            extra["maxnreg"] = maxnreg
-        gkeys = torch.empty((num_tokens, np_ // g) if gstore else (1,), dtype=torch.int32,
-                            device=logits.device)
-        tk = next_pow2(topk) if bitonic_topk and next_pow2(topk) < kc else 0
-        _topk_reg_kernel[(num_tokens,)](logits, n, out, gkeys, cand.view(torch.int32), counter, topk, NP=np_,
-                                        G=pg, BG=g, WAYS=ways or 8, KC=kc, TOPK=tk, COMPACT=compact,
-                                        RELOAD=reload, GSTORE=gstore, KEYS=store_keys, NT=nt, HIST=hist,
-                                        HSTEPS=hist_steps if hist else 0, PHASE=phase, **extra)
+        gkeys = torch.empty((num_tokens, np_ // g), dtype=torch.int32, device=logits.device)
+        _topk_reg_kernel[(num_tokens,)](logits, n, out, gkeys, cand.view(torch.int32), topk, NP=np_, G=pg, BG=g,
+                                        WAYS=ways or 8, KC=kc, NT=nt, THREAD_SCAN=(np_ // pg) % nt == 0, **extra)
         return out
     ch = max(chunk or (64 if INTERPRET else 2048), g)
     ng = -(-n // g)
     gkeys = torch.empty((num_tokens, ng), dtype=torch.int32, device=logits.device)
+    counter = torch.empty((num_tokens,), dtype=torch.int32, device=logits.device)
     _topk_kernel[(num_tokens,)](logits, n, out, gkeys, ng, cand, counter, topk, G=g, CH=ch, WAYS=ways or 16,
                                 KC=kc, **extra)
     return out
