@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from dsv4.backends.triton import TritonBackend
+from dsv4.backends.triton._common import device_facts
 from dsv4.codecs import get_codec
 from dsv4.specs.formats import get_format
 
@@ -212,15 +213,17 @@ def bench_sparse_prefill(ceil: dict[str, float], heads: int, topk: int, s_q: int
     sink = torch.randn(heads, device=device)
     tuning = tuning or {}
 
-    def ours(i: int):
+    def ours(i: int, **extra):
         return backend.sparse_attention(qs[i], kv, idx[i], lens, None, None, None, sink, kv_format="bf16",
-                                        softmax_scale=D ** -0.5, profile="deepseek", **tuning)
+                                        softmax_scale=D ** -0.5, profile="deepseek", **tuning, **extra)
 
     ms = time_cuda(ours, iters=10, warmup=2, rotations=rot)
     graph_ms = time_cuda_graph(ours, rotations=rot, reps=5)
     flops = 2 * s_q * heads * (D + D) * topk
     row = {"name": f"sparse prefill s_q={s_q} s_kv={s_kv} h={heads} top{topk} (bf16 kv)", "ms": ms,
            "graph_ms": graph_ms, "tflops": flops / graph_ms / 1e9}
+    if not tuning and device_facts(torch.device(device)).wgmma:  # the default is the Hopper kernel: time both
+        row["triton_kernel_graph_ms"] = time_cuda_graph(lambda i: ours(i, hopper_rows=False), rotations=rot, reps=5)
     fm = flash_mla_module()
     if fm is not None:
         try:
@@ -379,6 +382,9 @@ def print_table(rows: list[dict], ceil: dict[str, float], out=sys.stdout) -> Non
               f"{r.get('gbs', nan):7.0f} {100 * r.get('frac_gemm', nan):6.1f} "
               f"{100 * r.get('frac_copy_bw', nan):5.1f} {r.get('flashmla_ms', nan):7.3f} "
               f"{r.get('flashmla_graph_ms', nan):7.3f} {r.get('vs_flashmla', nan):5.2f}", file=out)
+        if "triton_kernel_graph_ms" in r:
+            print(f"{'  (the Triton kernel instead of the Hopper one: graph ms)':<58} {'':8} "
+                  f"{r['triton_kernel_graph_ms']:7.3f}", file=out)
 
 
 def main() -> None:

@@ -80,7 +80,11 @@ def chk_qnorm(kv_format: str, profile: str):
     return byte_mismatch(cache, ref_cache)
 
 
-def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, splits: int | None):
+def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, splits: int | None,
+                  hopper: bool = False):
+    """Backend vs float64 reference on random pages; ``hopper``: the sm_90 Gluon kernel for bf16 rows
+    (``hopper_rows=True``: it raises where it cannot run), with edge rows (empty, all -1, -inf sink),
+    NaN-poisoned memory before the call and the Triton kernel's output for comparison."""
     cache_rows = 4096
     codec = get_codec(kv_format)
     swa = codec.allocate(cache_rows // 64, 64, device=DEV)
@@ -94,14 +98,30 @@ def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, split
     ei[torch.rand(t, topk, device=DEV) < 0.05] = -1
     q = (torch.randn(t, h, 512, device=DEV) * 0.5).to(torch.bfloat16)
     sink = torch.randn(h, device=DEV)
+    extra = {}
+    if hopper:
+        sl[0], el[0], el[2] = 0, 0, 0  # an empty row; a row with SWA keys only
+        si[3, :] = -1  # a row whose SWA entries are all invalid
+        si[torch.rand(t, 128, device=DEV) < 0.05] = -1
+        sink[0] = float("-inf")
+        extra["hopper_rows"] = True
+        poison = [torch.full((t * h * 512,), float("nan"), device=DEV) for _ in range(4)]
+        del poison
     out, lse = B.sparse_attention(q, swa, si, sl, ext, ei, el, sink, kv_format=kv_format, softmax_scale=512 ** -0.5,
-                                  profile=profile, num_splits=splits)
+                                  profile=profile, num_splits=splits, **extra)
     r_out, r_lse = reference.sparse_attention(q.double(), swa, si, sl, ext, ei, el, sink.double(),
                                               kv_format=kv_format, softmax_scale=512 ** -0.5, profile=profile)
     # the conformance suite's rule for the profile (bf16-probability profiles: 99.5% of elements)
     assert_close("out", out.cpu(), r_out.cpu(), "sparse_attention", "out", profile=profile)
     assert_close("lse", lse.cpu(), r_lse.cpu(), "sparse_attention", "lse", abs_tol=1e-5, rel_tol=1e-5, suite=False)
-    return f"max|d| {(out.double() - r_out).abs().max().item():.2e}"
+    detail = f"max|d| {(out.double() - r_out).abs().max().item():.2e}"
+    if hopper:
+        assert torch.all(out[0] == 0) and torch.isinf(lse[0]).all(), "empty row: out 0, lse +inf"
+        t_out, _ = B.sparse_attention(q, swa, si, sl, ext, ei, el, sink, kv_format=kv_format,
+                                      softmax_scale=512 ** -0.5, profile=profile, num_splits=splits,
+                                      hopper_rows=False)
+        detail += f"; vs the Triton kernel {(out.float() - t_out.float()).abs().max().item():.2e}"
+    return detail
 
 
 def chk_compressor(ratio: int, head_dim: int, out_format: str, profile: str, t: int = 1024):
@@ -445,6 +465,12 @@ def main() -> None:
     check("sparse decode fp8 deepseek b64 h128 top1024",
           chk_attention, "fp8_ds_mla", "deepseek", 64, 128, 1024, None)
     check("sparse prefill bf16 vllm T256 h64", chk_attention, "bf16", "vllm", 256, 64, 512, 1)
+    check("sparse prefill bf16 deepseek T256 h64, Hopper kernel", chk_attention, "bf16", "deepseek", 256, 64, 512, 1,
+          True)
+    check("sparse bf16 deepseek T48 h128 top1024 3 splits, Hopper kernel", chk_attention, "bf16", "deepseek", 48,
+          128, 1024, 3, True)
+    check("sparse bf16 deepseek T8 h16 top256, Hopper kernel", chk_attention, "bf16", "deepseek", 8, 16, 256, None,
+          True)
     for args in ((4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm"), (4, 512, "bf16", "vllm"),
                  (4, 128, "indexer_mxfp4", "deepseek"), (4, 128, "indexer_fp8", "vllm")):
         check(f"compress_insert {args}", chk_compressor, *args)

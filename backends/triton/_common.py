@@ -51,6 +51,7 @@ class DeviceFacts:
     rne_cvt: bool  # the fp32 -> bf16 cast rounds to nearest even (CUDA), so no integer rounding first
     pdl: bool  # programmatic dependent launch (griddepcontrol): sm_90+ CUDA with Triton's GDC intrinsics
     tma: bool  # tensor-memory-accelerator copies (host TMA descriptors): sm_90+ CUDA
+    wgmma: bool  # Hopper's warpgroup MMA, setmaxnreg and cp.async mbarrier arrivals: sm_90 CUDA exactly
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -64,11 +65,12 @@ def device_facts(device: torch.device) -> DeviceFacts:
 @cache
 def _device_facts(device_type: str, index: int | None) -> DeviceFacts:
     if device_type != "cuda" or INTERPRET:
-        return DeviceFacts(4, False, False, False, False)
+        return DeviceFacts(4, False, False, False, False, False)
     props = torch.cuda.get_device_properties(index)
     cuda = torch.version.hip is None
     return DeviceFacts(props.multi_processor_count, cuda and (props.major, props.minor) >= (8, 9), cuda,
-                       cuda and props.major >= 9 and gdc_wait is not None, cuda and props.major >= 9)
+                       cuda and props.major >= 9 and gdc_wait is not None, cuda and props.major >= 9,
+                       cuda and (props.major, props.minor) == (9, 0))
 
 
 def dot_dtype() -> torch.dtype:
