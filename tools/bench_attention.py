@@ -166,10 +166,10 @@ def bench_sparse_decode(ceil: dict[str, float], batch: int, heads: int, topk: in
     sink = torch.randn(heads, device=device)
     tuning = tuning or {}
 
-    def ours(i: int):
+    def ours(i: int, **extra):
         return backend.sparse_attention(qs[i], swa_cache, swa_idx[i], swa_lens, cmp_cache, cmp_idx[i], cmp_lens,
                                         sink, kv_format="fp8_ds_mla", softmax_scale=D ** -0.5,
-                                        profile=profile, **tuning)
+                                        profile=profile, **tuning, **extra)
 
     ms = time_cuda(ours)
     graph_ms = time_cuda_graph(ours)
@@ -178,6 +178,8 @@ def bench_sparse_decode(ceil: dict[str, float], batch: int, heads: int, topk: in
     bytes_moved = batch * keys * LATENT.token_bytes
     row = {"name": f"sparse decode b={batch} h={heads} swa128+top{topk} ctx={context} {profile}", "ms": ms,
            "graph_ms": graph_ms, "tflops": flops / graph_ms / 1e9, "gbs": bytes_moved / graph_ms / 1e6}
+    if not tuning and device_facts(torch.device(device)).wgmma:  # the default is the Hopper kernel: time both
+        row["triton_kernel_graph_ms"] = time_cuda_graph(lambda i: ours(i, hopper=False))
     fm = flash_mla_module()
     if fm is not None:
         try:
@@ -223,7 +225,7 @@ def bench_sparse_prefill(ceil: dict[str, float], heads: int, topk: int, s_q: int
     row = {"name": f"sparse prefill s_q={s_q} s_kv={s_kv} h={heads} top{topk} (bf16 kv)", "ms": ms,
            "graph_ms": graph_ms, "tflops": flops / graph_ms / 1e9}
     if not tuning and device_facts(torch.device(device)).wgmma:  # the default is the Hopper kernel: time both
-        row["triton_kernel_graph_ms"] = time_cuda_graph(lambda i: ours(i, hopper_rows=False), rotations=rot, reps=5)
+        row["triton_kernel_graph_ms"] = time_cuda_graph(lambda i: ours(i, hopper=False), rotations=rot, reps=5)
     fm = flash_mla_module()
     if fm is not None:
         try:

@@ -81,16 +81,18 @@ def chk_qnorm(kv_format: str, profile: str):
 
 
 def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, splits: int | None,
-                  hopper: bool = False):
-    """Backend vs float64 reference on random pages; ``hopper``: the sm_90 Gluon kernel for bf16 rows
-    (``hopper_rows=True``: it raises where it cannot run), with edge rows (empty, all -1, -inf sink),
-    NaN-poisoned memory before the call and the Triton kernel's output for comparison."""
+                  hopper: bool = False, magnitude: float = 1.0):
+    """Backend vs float64 reference on random pages; ``hopper``: the sm_90 Gluon kernels (``hopper=True``:
+    it raises where they cannot run), with edge rows (empty, all -1, -inf sink), NaN-poisoned memory
+    before the call and the Triton kernel's output for comparison; ``magnitude`` scales the cached rows
+    (large values give fp8 scale bytes above 134)."""
     cache_rows = 4096
     codec = get_codec(kv_format)
     swa = codec.allocate(cache_rows // 64, 64, device=DEV)
     ext = codec.allocate(cache_rows // 64, 64, device=DEV)
     for c in (swa, ext):
-        codec.write_rows(c, torch.arange(cache_rows, device=DEV), torch.randn(cache_rows, 512, device=DEV))
+        codec.write_rows(c, torch.arange(cache_rows, device=DEV),
+                         torch.randn(cache_rows, 512, device=DEV) * magnitude)
     si = torch.randint(0, cache_rows, (t, 128), device=DEV, dtype=torch.int32)
     ei = torch.randint(0, cache_rows, (t, topk), device=DEV, dtype=torch.int32)
     sl = torch.randint(1, 129, (t,), device=DEV, dtype=torch.int32)
@@ -104,7 +106,7 @@ def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, split
         si[3, :] = -1  # a row whose SWA entries are all invalid
         si[torch.rand(t, 128, device=DEV) < 0.05] = -1
         sink[0] = float("-inf")
-        extra["hopper_rows"] = True
+        extra["hopper"] = True
         poison = [torch.full((t * h * 512,), float("nan"), device=DEV) for _ in range(4)]
         del poison
     out, lse = B.sparse_attention(q, swa, si, sl, ext, ei, el, sink, kv_format=kv_format, softmax_scale=512 ** -0.5,
@@ -119,9 +121,28 @@ def chk_attention(kv_format: str, profile: str, t: int, h: int, topk: int, split
         assert torch.all(out[0] == 0) and torch.isinf(lse[0]).all(), "empty row: out 0, lse +inf"
         t_out, _ = B.sparse_attention(q, swa, si, sl, ext, ei, el, sink, kv_format=kv_format,
                                       softmax_scale=512 ** -0.5, profile=profile, num_splits=splits,
-                                      hopper_rows=False)
+                                      hopper=False)
         detail += f"; vs the Triton kernel {(out.float() - t_out.float()).abs().max().item():.2e}"
     return detail
+
+
+def chk_hopper_dequant():
+    """``sparse_fp8_producer``'s bit-level e4m3 * 2**(byte - 127) -> bf16 against torch's decode rounded to
+    bf16, for every e4m3 code (NaN codes excluded) at every scale byte 0..254, element order included."""
+    from dsv4.backends.triton.sparse_fp8_producer import dequant_check
+
+    checked = 0
+    for k in range(4):
+        r = torch.arange(64, device=DEV)
+        codes = ((r[:, None] * 64 + torch.arange(64, device=DEV)[None, :] * 5 + k) % 256).to(torch.uint8)
+        codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+        scale_bytes = torch.clamp(r + 64 * k, max=254).to(torch.int32)
+        out = dequant_check(codes, scale_bytes)
+        ref = (codes.view(torch.float8_e4m3fn).float() * torch.exp2(scale_bytes.float() - 127)[:, None]).bfloat16()
+        same = (out.view(torch.int16) == ref.view(torch.int16)) | (torch.isnan(out) & torch.isnan(ref))
+        assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} differ (rows of bytes {64 * k}..)"
+        checked += same.numel()
+    return f"bit-exact on {checked} values"
 
 
 def chk_compressor(ratio: int, head_dim: int, out_format: str, profile: str, t: int = 1024):
@@ -465,12 +486,16 @@ def main() -> None:
     check("sparse decode fp8 deepseek b64 h128 top1024",
           chk_attention, "fp8_ds_mla", "deepseek", 64, 128, 1024, None)
     check("sparse prefill bf16 vllm T256 h64", chk_attention, "bf16", "vllm", 256, 64, 512, 1)
-    check("sparse prefill bf16 deepseek T256 h64, Hopper kernel", chk_attention, "bf16", "deepseek", 256, 64, 512, 1,
-          True)
-    check("sparse bf16 deepseek T48 h128 top1024 3 splits, Hopper kernel", chk_attention, "bf16", "deepseek", 48,
-          128, 1024, 3, True)
-    check("sparse bf16 deepseek T8 h16 top256, Hopper kernel", chk_attention, "bf16", "deepseek", 8, 16, 256, None,
-          True)
+    for fmt in ("fp8_ds_mla", "bf16"):  # the sm_90 Gluon kernels (sparse_hopper)
+        check(f"sparse {fmt} deepseek T256 h64 one split, Hopper kernel", chk_attention, fmt, "deepseek", 256, 64,
+              512, 1, True)
+        check(f"sparse {fmt} vllm T48 h128 top1024 3 splits, Hopper kernel", chk_attention, fmt, "vllm", 48, 128,
+              1024, 3, True)
+        check(f"sparse {fmt} deepseek T8 h16 top256, Hopper kernel", chk_attention, fmt, "deepseek", 8, 16, 256,
+              None, True)
+    check("sparse fp8_ds_mla deepseek T64 h64 rows ~3e5 (scale bytes > 134), Hopper kernel", chk_attention,
+          "fp8_ds_mla", "deepseek", 64, 64, 512, None, True, 2e5)
+    check("Hopper fp8 dequantization: every e4m3 code x scale bytes 0..254, bit-exact", chk_hopper_dequant)
     for args in ((4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm"), (4, 512, "bf16", "vllm"),
                  (4, 128, "indexer_mxfp4", "deepseek"), (4, 128, "indexer_fp8", "vllm")):
         check(f"compress_insert {args}", chk_compressor, *args)

@@ -42,7 +42,7 @@ from dsv4.backends.triton._common import (
 from dsv4.backends.triton.layout import LatentLayout
 from dsv4.specs.errors import CacheLayoutError
 
-__all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "hopper_rows_unsupported", "sparse_attention"]
+__all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "hopper_unsupported", "sparse_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -399,32 +399,34 @@ def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, in
 
 
 @cache
-def _hopper_rows_loader():
-    """(module, None) or (None, why): ``sparse_rows_hopper`` imports Gluon, so only where it can run."""
+def _hopper_loader():
+    """(module, None) or (None, why): ``sparse_hopper`` imports Gluon, so only where it can run."""
     try:
-        from dsv4.backends.triton import sparse_rows_hopper
+        from dsv4.backends.triton import sparse_hopper
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here", with the reason
         return None, f"Gluon kernel not importable: {type(exc).__name__}: {exc}"
-    return sparse_rows_hopper, None
+    return sparse_hopper, None
 
 
-def hopper_rows_unsupported(facts: DeviceFacts, swa: LatentLayout, ext: LatentLayout, dim: int,
-                            probs_bf16: bool) -> str | None:
-    """Why the Hopper kernel (``sparse_rows_hopper``) cannot serve a call; None when it can.
+def hopper_unsupported(facts: DeviceFacts, swa: LatentLayout, ext: LatentLayout, dim: int,
+                       probs_bf16: bool) -> str | None:
+    """Why the Hopper kernels (``sparse_hopper``) cannot serve a call; None when they can.
 
-    It takes bf16 rows of 512 (SPEC §9.2) in power-of-two pages with 16-byte aligned rows, bf16
-    probabilities (deepseek, SPEC §6.6), on sm_90 CUDA (wgmma, setmaxnreg; not under the interpreter).
+    They take fp8_ds_mla records (SPEC §9.1) or bf16 rows (SPEC §9.2) of 512 in power-of-two pages with
+    16-byte aligned records, bf16 probabilities (SPEC §6.6: deepseek, vllm), on sm_90 CUDA (wgmma,
+    setmaxnreg; not under the interpreter).
     """
     if not facts.wgmma:
         return "needs sm_90 CUDA (warpgroup MMA)"
-    if swa.fp8_nope or dim != 512 or swa.row_dim != 512:
-        return f"needs bf16 rows of 512 (got {swa.format_name}, q dim {dim})"
+    if swa.format_name not in ("fp8_ds_mla", "bf16") or dim != 512 or swa.row_dim != 512:
+        return f"needs fp8_ds_mla or bf16 rows of 512 (got {swa.format_name}, q dim {dim})"
     if not probs_bf16:
-        return "needs bf16 probabilities (deepseek profile)"
+        return "needs bf16 probabilities (deepseek, vllm profiles)"
     for lay in (swa, ext):
-        if lay.block_size & (lay.block_size - 1) or (lay.page_stride | lay.token_stride | lay.nope_offset) % 16:
-            return "needs power-of-two pages and 16-byte aligned rows"
-    return _hopper_rows_loader()[1]
+        aligned = lay.page_stride | lay.token_stride | lay.nope_offset | lay.rope_offset
+        if lay.block_size & (lay.block_size - 1) or aligned % 16 or lay.scale_offset % 8:
+            return "needs power-of-two pages and 16-byte aligned records"
+    return _hopper_loader()[1]
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: LatentLayout,
@@ -436,16 +438,16 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      block_keys: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, split_probs: bool | None = None,
                      isolate_scores: bool | None = None, prefetch: int | None = None,
-                     hopper_rows: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     hopper: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch. q [T,H,D] bf16; indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32.
 
     Returns (out [T,H,D] bf16, lse [T,H] fp32). Inputs are assumed validated by the backend.
     The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``;
     ``split_probs`` forces (or disables) the hi/lo probability split of fp32-probability profiles,
     which is on by default wherever the dots take bf16 operands; ``isolate_scores`` and ``prefetch``
-    select the kernel's ``ISOLATE_S`` / ``PREFETCH`` variants. ``hopper_rows``: None (default) runs
-    ``sparse_rows_hopper`` where ``hopper_rows_unsupported`` allows it and no Triton-kernel tuning
-    keyword is given, False never, True always (RuntimeError with the reason where it cannot).
+    select the kernel's ``ISOLATE_S`` / ``PREFETCH`` variants. ``hopper``: None (default) runs
+    ``sparse_hopper`` where ``hopper_unsupported`` allows it and no Triton-kernel tuning keyword is
+    given, False never, True always (RuntimeError with the reason where it cannot).
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty_like(q)
@@ -483,18 +485,16 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ext_lens = extra_lens if has_extra else swa_lens
     swa_u8, swa_bf16 = swa.byte_views(swa_cache)
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
-    if hopper_rows or (hopper_rows is None and not triton_tuned):
-        why = hopper_rows_unsupported(facts, swa, ext, dim, probs_bf16)
+    if hopper or (hopper is None and not triton_tuned):
+        why = hopper_unsupported(facts, swa, ext, dim, probs_bf16)
         if why is None:
-            geometry = [(lay.block_size.bit_length() - 1, lay.page_stride // 2) for lay in (swa, ext)]
-            _hopper_rows_loader()[0].sparse_rows_hopper(
-                q, swa_bf16, geometry[0], swa_indices, swa_lens, ext_bf16, geometry[1], ext_idx, ext_lens,
-                has_extra, sink, out, lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E,
-                num_splits=splits, token_stride=swa.token_stride // 2, row_offset=swa.nope_offset // 2)
+            _hopper_loader()[0].sparse_hopper(
+                q, swa_cache, swa, swa_indices, swa_lens, ext_cache, ext, ext_idx, ext_lens, has_extra, sink, out,
+                lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E, num_splits=splits)
             _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
             return out, lse
-        if hopper_rows:
-            raise RuntimeError(f"sparse_attention(hopper_rows=True): {why}")
+        if hopper:
+            raise RuntimeError(f"sparse_attention(hopper=True): {why}")
     # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).
     swa_i64, ext_i64 = swa_u8.view(torch.int64), ext_u8.view(torch.int64)
     # Power-of-two pages (the usual case): the kernel takes log2 of the page size and shifts.

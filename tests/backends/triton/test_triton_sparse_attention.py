@@ -142,37 +142,38 @@ def test_missing_sink_is_an_error() -> None:
                                          softmax_scale=SCALE, profile="vllm")
 
 
-def test_hopper_rows_dispatch_rules() -> None:
-    """The sm_90 Gluon kernel (sparse_rows_hopper) serves bf16 rows with bf16 probabilities only; each
-    other case names its reason. Its numerics are checked on the H200 (tools/gpu_check.py), since Gluon
-    does not run under the interpreter."""
+def test_hopper_dispatch_rules() -> None:
+    """The sm_90 Gluon kernels (sparse_hopper) serve fp8_ds_mla and bf16 rows with bf16 probabilities only;
+    each other case names its reason. Their numerics are checked on the H200 (tools/gpu_check.py), since
+    Gluon does not run under the interpreter."""
     from dsv4.backends.triton._common import DeviceFacts
     from dsv4.backends.triton.layout import latent_layout
-    from dsv4.backends.triton.sparse_attention import hopper_rows_unsupported
+    from dsv4.backends.triton.sparse_attention import hopper_unsupported
 
     hopper = DeviceFacts(132, True, True, True, True, True)
     bf16 = latent_layout("bf16", _filled_cache("bf16", 2, 16))
     fp8 = latent_layout("fp8_ds_mla", _filled_cache("fp8_ds_mla", 2, 16))
+    ascend = latent_layout("ascend_bf16", _filled_cache("ascend_bf16", 2, 16))
     odd_pages = latent_layout("bf16", _filled_cache("bf16", 2, 12), "extra_cache")
-    assert "sm_90" in hopper_rows_unsupported(DeviceFacts(4, False, False, False, False, False), bf16, bf16, 512,
-                                              True)
-    assert "sm_90" in hopper_rows_unsupported(DeviceFacts(132, True, True, True, True, False), bf16, bf16, 512, True)
-    assert "bf16 rows" in hopper_rows_unsupported(hopper, fp8, fp8, 512, True)
-    assert "bf16 probabilities" in hopper_rows_unsupported(hopper, bf16, bf16, 512, False)
-    assert "power-of-two" in hopper_rows_unsupported(hopper, bf16, odd_pages, 512, True)
-    eligible = hopper_rows_unsupported(hopper, bf16, bf16, 512, True)
-    assert eligible is None or eligible.startswith("Gluon kernel not importable")
+    assert "sm_90" in hopper_unsupported(DeviceFacts(4, False, False, False, False, False), bf16, bf16, 512, True)
+    assert "sm_90" in hopper_unsupported(DeviceFacts(132, True, True, True, True, False), fp8, fp8, 512, True)
+    assert "fp8_ds_mla or bf16" in hopper_unsupported(hopper, ascend, ascend, 512, True)
+    assert "bf16 probabilities" in hopper_unsupported(hopper, bf16, bf16, 512, False)
+    assert "power-of-two" in hopper_unsupported(hopper, bf16, odd_pages, 512, True)
+    for lay in (bf16, fp8):
+        eligible = hopper_unsupported(hopper, lay, lay, 512, True)
+        assert eligible is None or eligible.startswith("Gluon kernel not importable")
 
 
-def test_hopper_rows_forced_where_it_cannot_run() -> None:
-    # CPU / interpreter: hopper_rows=True raises with the reason; the default runs the Triton kernel.
+def test_hopper_forced_where_it_cannot_run() -> None:
+    # CPU / interpreter: hopper=True raises with the reason; the default runs the Triton kernel.
     cache = _filled_cache("bf16", 2, 16)
     idx, lens = _indices(2, 8, 32)
     q = torch.randn(2, 4, 512).to(torch.bfloat16)
     sink = torch.zeros(4)
     kwargs = {"kv_format": "bf16", "softmax_scale": SCALE, "profile": "deepseek"}
-    with pytest.raises(RuntimeError, match=r"hopper_rows=True\): needs sm_90"):
-        TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, hopper_rows=True, **kwargs)
+    with pytest.raises(RuntimeError, match=r"hopper=True\): needs sm_90"):
+        TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, hopper=True, **kwargs)
     out, lse = TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, **kwargs)
     out_ref, lse_ref = reference.sparse_attention(q.double(), cache, idx, lens, None, None, None, sink.double(),
                                                   **kwargs)
@@ -180,9 +181,10 @@ def test_hopper_rows_forced_where_it_cannot_run() -> None:
     assert out.shape == out_ref.shape and torch.isfinite(out.float()).all()
 
 
-def test_hopper_rows_chosen_by_default_where_supported(monkeypatch) -> None:
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "bf16"])
+def test_hopper_chosen_by_default_where_supported(monkeypatch, kv_format: str) -> None:
     """Dispatch: on an sm_90 device the default call takes the Hopper kernel; a Triton-kernel tuning
-    keyword or hopper_rows=False keeps the Triton kernel (a fake device and module stand in here)."""
+    keyword or hopper=False keeps the Triton kernel (a fake device and module stand in here)."""
     import types
 
     from dsv4.backends.triton import sparse_attention as sa
@@ -190,24 +192,24 @@ def test_hopper_rows_chosen_by_default_where_supported(monkeypatch) -> None:
 
     calls = []
 
-    def fake_launch(q, swa_rows, swa_geometry, *args, num_splits, token_stride, row_offset, **kwargs):
-        calls.append((swa_geometry, num_splits, token_stride, row_offset))
+    def fake_launch(q, swa_cache, swa_layout, *args, scale_log2, num_splits):
+        calls.append((swa_layout.format_name, swa_layout.block_size, num_splits))
         args[-4].zero_()  # out (then lse, part_acc, part_ml)
         args[-3].fill_(float("inf"))
 
     monkeypatch.setattr(sa, "device_facts", lambda device: DeviceFacts(4, False, False, False, False, True))
-    fake_module = types.SimpleNamespace(sparse_rows_hopper=fake_launch)
-    monkeypatch.setattr(sa, "_hopper_rows_loader", lambda: (fake_module, None))
-    cache = _filled_cache("bf16", 2, 16)
+    fake_module = types.SimpleNamespace(sparse_hopper=fake_launch)
+    monkeypatch.setattr(sa, "_hopper_loader", lambda: (fake_module, None))
+    cache = _filled_cache(kv_format, 2, 16)
     idx, lens = _indices(2, 8, 32)
     q = torch.randn(2, 4, 512).to(torch.bfloat16)
     sink = torch.zeros(4)
-    kwargs = {"kv_format": "bf16", "softmax_scale": SCALE, "profile": "deepseek"}
-    TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, **kwargs)
-    assert calls == [((4, 16 * 512), 1, 512, 0)]  # log2(16) pages of 16 rows of 512 bf16
-    for extra in ({"hopper_rows": False}, {"block_keys": 16}):
-        out, _ = TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, **extra, **kwargs)
+    kwargs = {"kv_format": kv_format, "softmax_scale": SCALE}
+    TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, profile="deepseek", **kwargs)
+    assert calls == [(kv_format, 16, 1)]
+    for extra in ({"hopper": False}, {"block_keys": 16}):
+        out, _ = TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, profile="deepseek",
+                                                  **extra, **kwargs)
         assert len(calls) == 1 and torch.isfinite(out.float()).all()
-    TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, profile="vllm",
-                                     **{k: v for k, v in kwargs.items() if k != "profile"})
+    TritonBackend().sparse_attention(q, cache, idx, lens, None, None, None, sink, profile="vllm", **kwargs)
     assert len(calls) == 2  # vllm rounds probabilities to bf16 too (specs/numerics.py)

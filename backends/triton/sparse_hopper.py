@@ -1,37 +1,44 @@
-"""Sparse MQA over bf16 latent rows on Hopper (sm_90a): a warp-specialized Gluon kernel (SPEC §7).
+"""Sparse MQA on Hopper (sm_90a): warp-specialized Gluon kernels (SPEC §7), FlashMLA's division of work.
 
-The same function as ``sparse_attention._sparse_attention_kernel`` for bf16 row caches (SPEC §9.2;
-the prefill path, where engines attend over bf16 rows) with bf16 probabilities (``deepseek``,
-SPEC §6.6): SWA list + extra list, -1 entries skipped, sink in the denominator only, lse without
-it, split partials merged by the Triton ``_combine_kernel``. ``sparse_attention.sparse_attention``
-dispatches here when ``hopper_rows_unsupported`` finds nothing against it, else it runs the Triton
-kernel. Gluon kernels do not run under the interpreter: the H200 checks are in tools/gpu_check.py.
+The same function as ``sparse_attention._sparse_attention_kernel`` with bf16 probabilities (``deepseek``
+and ``vllm``, SPEC §6.6) for two page formats: fp8_ds_mla records (SPEC §9.1, the decode path) and bf16
+rows of 512 (SPEC §9.2, the prefill path). SWA list + extra list, -1 entries skipped, the sink in the
+denominator only, lse without it, split partials merged by the Triton ``_combine_kernel``.
+``sparse_attention.sparse_attention`` dispatches here when ``hopper_unsupported`` finds nothing against
+it, else it runs the Triton kernel. Gluon kernels do not run under the interpreter: the H200 checks
+are in tools/gpu_check.py; CI checks the dispatch.
 
 One program per (token, 64-head block, key split), three roles sharing 201 KB of shared memory
 (q ``[64, 512]`` bf16, a 2-deep ring of ``[64, 512]`` bf16 K tiles, P ``[64, 64]`` bf16):
-- producer (4 warps, 56 registers): cp.async of each 64-key tile's rows straight into the ring in the
-  wgmma operand layout (invalid rows zero-fill); each thread's copies arrive on ``k_ready`` when they
-  land (cp.async.mbarrier.arrive.noinc), so the producer only waits for free slots (``k_free``).
+- the producer (4 warps) fills the ring one 64-key tile at a time as slots free up (``k_free``):
+  bf16 rows by cp.async straight into the wgmma operand layout, each thread's copies arriving on
+  ``k_ready`` themselves when they land (cp.async.mbarrier.arrive.noinc; invalid rows zero-fill);
+  fp8 records through registers (``sparse_fp8_producer``: gathers, exact bit-level dequantization,
+  one arrival a tile);
 - warpgroup 0 (the default partition): S = q K^T for all 64 keys (computed once), the online softmax
-  (fp32 statistics in the log2 domain), bf16 P, O[:, 0:128] += P V; the next tile's slot validity
-  is loaded a tile ahead; P and the row rescale go to warpgroup 1 through shared memory.
+  (fp32 statistics in the log2 domain), bf16 P, O[:, 0:128] += P V; the next tile's key validity is
+  loaded a tile ahead; P and the row rescale go to warpgroup 1 through shared memory;
 - warpgroup 1 (232 registers): O[:, 128:512] += P V (an N=128 and an N=256 wgmma).
-H200 (docs/triton.md, "Seventh round"): prefill s_q 4096 h=64 top-640 0.94 ms (the Triton kernel
-1.74 ms, FlashMLA 0.65 ms); h=128 top-1152 2.82 ms (5.76, 2.07).
+H200 (docs/triton.md, "Seventh round"; CUDA-graph replay): decode b=128 h=64 SWA 128 + top-512 fp8
+44 us (the Triton kernel 67, FlashMLA 47); h=128 top-1024 125 us (217, 106); prefill s_q 4096 bf16 rows
+h=64 top-640 0.94 ms (1.74, 0.65), h=128 top-1152 2.82 ms (5.76, 2.07).
 """
 from __future__ import annotations
 
 import torch
+from dsv4.backends.triton.sparse_fp8_producer import _fp8_producer, _list_position
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-__all__ = ["sparse_rows_hopper"]
+__all__ = ["sparse_hopper"]
 
 _BH, _BN, _STAGES = 64, 64, 2  # heads a program (the wgmma M), keys a tile, K ring depth
 _WG0_COLS = 128  # output columns of warpgroup 0 (it also computes S and the softmax)
-_PRODUCER_WARPS, _PRODUCER_REGS, _WG1_REGS = 4, 56, 232
+_PRODUCER_WARPS, _WG1_REGS = 4, 232
+_PRODUCER_REGS = {False: 56, True: 112}  # bf16 rows (cp.async) / fp8 records (register gathers, dequant)
+_FP8_UNITS = 4  # the fp8 producer's register units a tile (16 rows each)
 
 
 @gluon.jit
@@ -39,15 +46,7 @@ def _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, BN: gl.constexp
                 HAS_EXTRA: gl.constexpr):
     """[BN] int32 slots of virtual tile ``tile`` (SWA tiles, then extra tiles) in ``LAYOUT`` and [BN]
     validity (in the list and not -1, SPEC §10; past the list: all invalid)."""
-    in_swa = tile < n_swa
-    if HAS_EXTRA:
-        idx_row = gl.where(in_swa, swa_row, ext_row)
-        local = gl.where(in_swa, tile, tile - n_swa)
-        length = gl.where(in_swa, swa_len, ext_len)
-    else:
-        idx_row = swa_row
-        local = tile
-        length = swa_len
+    idx_row, local, length = _list_position(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA)
     j = local * BN + gl.arange(0, BN, layout=LAYOUT)
     in_list = (j < length) & (j >= 0)
     slots = gl.load(idx_row + j, mask=in_list, other=-1)
@@ -55,13 +54,13 @@ def _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, BN: gl.constexp
 
 
 @gluon.jit
-def _producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_rows, ext_rows, k_ring, k_ready, k_free,
-              SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr,
-              TOKEN_STRIDE: gl.constexpr, ROW_OFF: gl.constexpr, HAS_EXTRA: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr):
-    """cp.async tile after tile into the ring as slots free up; the copies arrive on k_ready themselves.
-
-    Strides and offsets are in bf16 elements; a row is 512 contiguous bf16 (16-byte copies)."""
+def _rows_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_rows, ext_rows, k_ring, k_ready, k_free,
+                   SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, EXT_LOG2B: gl.constexpr,
+                   EXT_PAGE: gl.constexpr, TOKEN_STRIDE: gl.constexpr, ROW_OFF: gl.constexpr,
+                   HAS_EXTRA: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """bf16 rows: cp.async tile after tile into the ring as slots free up; the copies arrive on k_ready
+    themselves (count: the producer threads). Page strides, token stride and row offset in BYTES; a row
+    is 512 contiguous bf16 (16-byte copies); ``*_rows`` are bf16 views."""
     nw: gl.constexpr = gl.num_warps()
     CP: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [nw, 1], [1, 0])
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, CP))
@@ -83,7 +82,7 @@ def _producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_rows, ext_r
         safe = gl.where(valid, slots, 0)
         page = (safe >> log2b).to(gl.int64)
         in_page = (safe & ((1 << log2b) - 1)).to(gl.int64)
-        row = page * page_stride + in_page * TOKEN_STRIDE + ROW_OFF
+        row = page * (page_stride // 2) + in_page * (TOKEN_STRIDE // 2) + ROW_OFF // 2
         cp.async_copy_global_to_shared(k_ring.index(s), base + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0),
                                        mask=gl.expand_dims(valid, 1))
         cp.mbarrier_arrive(k_ready.index(s), increment_count=False)
@@ -147,7 +146,7 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
     ROW: gl.constexpr = gl.SliceLayout(1, MMA_O)
     KEYS: gl.constexpr = gl.SliceLayout(0, MMA_S)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_S))
-    l_acc = gl.zeros([BH, BN], gl.float32, MMA_S)  # per-thread partial row sums, reduced once at the end
+    l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, MMA_S))
     acc = gl.zeros([BH, C0], gl.float32, MMA_O)
     s_zero = gl.zeros([BH, BN], gl.float32, MMA_S)
     _, valid_next = _tile_slots(lo, n_swa, swa_row, ext_row, swa_len, ext_len, BN, KEYS, HAS_EXTRA)
@@ -166,7 +165,7 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc * scale_log2 - gl.expand_dims(m_safe, 1))
-        l_acc = l_acc * gl.expand_dims(alpha, 1) + p  # the denominator sums fp32 probabilities (SPEC §6.6)
+        l_i = l_i * alpha + gl.sum(p, axis=1)  # the denominator sums fp32 probabilities (SPEC §6.6)
         pb = p.to(gl.bfloat16)  # deepseek: bf16 probabilities, RNE
         alpha_o = gl.convert_layout(alpha, ROW)
         mbarrier.wait(p_free, (r - 1) & 1, pred=r >= 1)  # warpgroup 1 is done with the previous P
@@ -180,7 +179,7 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
         m_i = m_new
         gl.thread_barrier()
         mbarrier.arrive(k_free.index(s), count=1)
-    l_i = gl.convert_layout(gl.sum(l_acc, axis=1), ROW)
+    l_i = gl.convert_layout(l_i, ROW)
     m_o = gl.convert_layout(m_i, ROW)
     heads = head_block * BH + gl.arange(0, BH, layout=ROW)
     head_ok = heads < num_heads
@@ -208,21 +207,24 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
 
 
 @gluon.jit
-def _sparse_rows_kernel(
+def _sparse_hopper_kernel(
         q_ptr, stride_qt, stride_qh,
-        swa_rows, swa_idx, swa_idx_stride, swa_lens,
-        ext_rows, ext_idx, ext_idx_stride, ext_lens,
+        swa_pages, swa_words, swa_idx, swa_idx_stride, swa_lens,
+        ext_pages, ext_words, ext_idx, ext_idx_stride, ext_lens,
         sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml,
         num_heads, swa_width, ext_width, scale_log2,
-        SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr,
-        TOKEN_STRIDE: gl.constexpr, ROW_OFF: gl.constexpr, HAS_EXTRA: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, C0: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WG1_REGS: gl.constexpr):
+        SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, SWA_SCALE_OFF: gl.constexpr,
+        EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr,
+        TOKEN_STRIDE: gl.constexpr, NOPE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, SCALE_STRIDE: gl.constexpr,
+        FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NUM_SPLITS: gl.constexpr,
+        STAGES: gl.constexpr, C0: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        WG1_REGS: gl.constexpr, FP8_UNITS: gl.constexpr):
     """Grid (T, cdiv(H, 64), NUM_SPLITS), 4 warps + warpgroup 1 + producer warps.
 
-    q [T,H,512] bf16; rows bf16 (page strides, token stride, row offset in elements); indices [T,W]
-    int32 global slots; lens [T] int32; sink [H] fp32; out [T,H,512] bf16; lse [T,H] fp32; with
-    splits, part_acc [T*H*NUM_SPLITS, 512] fp32 and part_ml [T*H*NUM_SPLITS, 2] fp32.
+    q [T,H,512] bf16; pages: fp8 records as int32 (``*_pages``) and int64 (``*_words``) views of the
+    uint8 pages, bf16 rows as bf16 views (both arguments); geometry and record offsets in bytes;
+    indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32; out [T,H,512] bf16; lse [T,H]
+    fp32; with splits, part_acc [T*H*NUM_SPLITS, 512] fp32 and part_ml [T*H*NUM_SPLITS, 2] fp32.
     """
     D: gl.constexpr = 512
     Q_BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -261,7 +263,8 @@ def _sparse_rows_kernel(
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=PRODUCER_WARPS * 32)  # one arrival a producer thread
+        # fp8: one arrival a tile after the producer's barrier; rows: one a producer thread (its copies)
+        mbarrier.init(k_ready.index(i), count=1 if FP8 else PRODUCER_WARPS * 32)
         mbarrier.init(k_free.index(i), count=2)  # both warpgroups
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
@@ -269,38 +272,57 @@ def _sparse_rows_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (_warpgroup0, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr,
-                       out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2, q_smem,
-                       k_ring, p_smem, row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH, BN, STAGES,
-                       HAS_EXTRA, NUM_SPLITS, C0)),
-        (_warpgroup1, (lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads, k_ring,
-                       p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
-        (_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_rows, ext_rows, k_ring, k_ready,
-                     k_free, SWA_LOG2B, SWA_PAGE, EXT_LOG2B, EXT_PAGE, TOKEN_STRIDE, ROW_OFF, HAS_EXTRA, BN,
-                     STAGES)),
-    ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
+    # (Gluon takes the partitions as literal (function, args) pairs: one call per producer kind.)
+    if FP8:
+        gl.warp_specialize([
+            (_warpgroup0, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr,
+                           out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2,
+                           q_smem, k_ring, p_smem, row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH, BN,
+                           STAGES, HAS_EXTRA, NUM_SPLITS, C0)),
+            (_warpgroup1, (lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads,
+                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
+            (_fp8_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_pages, ext_pages, swa_words,
+                             ext_words, k_ring, k_ready, k_free, SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B,
+                             EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, NOPE_OFF, ROPE_OFF, SCALE_STRIDE, HAS_EXTRA, BN,
+                             STAGES, FP8_UNITS)),
+        ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_warpgroup0, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr,
+                           out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2,
+                           q_smem, k_ring, p_smem, row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH, BN,
+                           STAGES, HAS_EXTRA, NUM_SPLITS, C0)),
+            (_warpgroup1, (lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads,
+                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
+            (_rows_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_pages, ext_pages, k_ring,
+                              k_ready, k_free, SWA_LOG2B, SWA_PAGE, EXT_LOG2B, EXT_PAGE, TOKEN_STRIDE, NOPE_OFF,
+                              HAS_EXTRA, BN, STAGES)),
+        ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
 
 
-def sparse_rows_hopper(q: torch.Tensor, swa_rows: torch.Tensor, swa_geometry: tuple[int, int],
-                       swa_indices: torch.Tensor, swa_lens: torch.Tensor, ext_rows: torch.Tensor,
-                       ext_geometry: tuple[int, int], ext_indices: torch.Tensor, ext_lens: torch.Tensor,
-                       has_extra: bool, sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       part_acc: torch.Tensor, part_ml: torch.Tensor, *, scale_log2: float, num_splits: int,
-                       token_stride: int, row_offset: int) -> None:
-    """Launch into ``out`` / ``lse`` (or the split partials). Inputs validated by the caller.
-
-    rows: bf16 views of the caches; geometry: (log2 of the page size, page stride in bf16 elements);
-    token_stride / row_offset in bf16 elements; scale_log2 = softmax_scale * log2(e).
-    """
+def sparse_hopper(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout, swa_indices: torch.Tensor,
+                  swa_lens: torch.Tensor, ext_cache: torch.Tensor, ext_layout, ext_indices: torch.Tensor,
+                  ext_lens: torch.Tensor, has_extra: bool, sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  part_acc: torch.Tensor, part_ml: torch.Tensor, *, scale_log2: float, num_splits: int) -> None:
+    """Launch into ``out`` / ``lse`` (or the split partials). Inputs validated by the caller
+    (``sparse_attention.hopper_unsupported`` is None for these layouts); caches are the uint8/bf16 page
+    tensors with their ``LatentLayout``; scale_log2 = softmax_scale * log2(e)."""
     num_tokens, num_heads, _ = q.shape
-    _sparse_rows_kernel[(num_tokens, -(-num_heads // _BH), num_splits)](
+    fp8 = swa_layout.fp8_nope
+    views = []
+    for cache, lay in ((swa_cache, swa_layout), (ext_cache, ext_layout)):
+        u8, bf16 = lay.byte_views(cache)
+        views.append((u8.view(torch.int32), u8.view(torch.int64)) if fp8 else (bf16, bf16))
+    _sparse_hopper_kernel[(num_tokens, -(-num_heads // _BH), num_splits)](
         q, q.stride(0), q.stride(1),
-        swa_rows, swa_indices, swa_indices.stride(0), swa_lens,
-        ext_rows, ext_indices, ext_indices.stride(0), ext_lens,
+        *views[0], swa_indices, swa_indices.stride(0), swa_lens,
+        *views[1], ext_indices, ext_indices.stride(0), ext_lens,
         sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
         num_heads, swa_indices.shape[1], ext_indices.shape[1] if has_extra else 0, scale_log2,
-        SWA_LOG2B=swa_geometry[0], SWA_PAGE=swa_geometry[1], EXT_LOG2B=ext_geometry[0], EXT_PAGE=ext_geometry[1],
-        TOKEN_STRIDE=token_stride, ROW_OFF=row_offset, HAS_EXTRA=has_extra, BH=_BH, BN=_BN,
+        SWA_LOG2B=swa_layout.block_size.bit_length() - 1, SWA_PAGE=swa_layout.page_stride,
+        SWA_SCALE_OFF=swa_layout.scale_offset, EXT_LOG2B=ext_layout.block_size.bit_length() - 1,
+        EXT_PAGE=ext_layout.page_stride, EXT_SCALE_OFF=ext_layout.scale_offset,
+        TOKEN_STRIDE=swa_layout.token_stride, NOPE_OFF=swa_layout.nope_offset, ROPE_OFF=swa_layout.rope_offset,
+        SCALE_STRIDE=swa_layout.scale_stride, FP8=fp8, HAS_EXTRA=has_extra, BH=_BH, BN=_BN,
         NUM_SPLITS=num_splits, STAGES=_STAGES, C0=_WG0_COLS, PRODUCER_WARPS=_PRODUCER_WARPS,
-        PRODUCER_REGS=_PRODUCER_REGS, WG1_REGS=_WG1_REGS, num_warps=4)
+        PRODUCER_REGS=_PRODUCER_REGS[fp8], WG1_REGS=_WG1_REGS, FP8_UNITS=_FP8_UNITS, num_warps=4)
