@@ -25,24 +25,16 @@ rounding only under the interpreter), the softmax scale folded into one FMA per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
-from dsv4.backends.triton._common import (
-    INTERPRET,
-    DeviceFacts,
-    decode_e4m3,
-    device_facts,
-    next_pow2,
-    round_bf16,
-    to_bf16,
-)
+from dsv4.backends.triton import hopper_dispatch
+from dsv4.backends.triton._common import INTERPRET, decode_e4m3, device_facts, next_pow2, round_bf16, to_bf16
 from dsv4.backends.triton.layout import LatentLayout
 from dsv4.specs.errors import CacheLayoutError
 
-__all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "hopper_unsupported", "sparse_attention"]
+__all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "sparse_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -398,37 +390,6 @@ def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, in
     return chunk, swa.nope_dim // chunk, swa.row_dim // chunk
 
 
-@cache
-def _hopper_loader():
-    """(module, None) or (None, why): ``sparse_hopper`` imports Gluon, so only where it can run."""
-    try:
-        from dsv4.backends.triton import sparse_hopper
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not here", with the reason
-        return None, f"Gluon kernel not importable: {type(exc).__name__}: {exc}"
-    return sparse_hopper, None
-
-
-def hopper_unsupported(facts: DeviceFacts, swa: LatentLayout, ext: LatentLayout, dim: int,
-                       probs_bf16: bool) -> str | None:
-    """Why the Hopper kernels (``sparse_hopper``) cannot serve a call; None when they can.
-
-    They take fp8_ds_mla records (SPEC §9.1) or bf16 rows (SPEC §9.2) of 512 in power-of-two pages with
-    16-byte aligned records, bf16 probabilities (SPEC §6.6: deepseek, vllm), on sm_90 CUDA (wgmma,
-    setmaxnreg; not under the interpreter).
-    """
-    if not facts.wgmma:
-        return "needs sm_90 CUDA (warpgroup MMA)"
-    if swa.format_name not in ("fp8_ds_mla", "bf16") or dim != 512 or swa.row_dim != 512:
-        return f"needs fp8_ds_mla or bf16 rows of 512 (got {swa.format_name}, q dim {dim})"
-    if not probs_bf16:
-        return "needs bf16 probabilities (deepseek, vllm profiles)"
-    for lay in (swa, ext):
-        aligned = lay.page_stride | lay.token_stride | lay.nope_offset | lay.rope_offset
-        if lay.block_size & (lay.block_size - 1) or aligned % 16 or lay.scale_offset % 8:
-            return "needs power-of-two pages and 16-byte aligned records"
-    return _hopper_loader()[1]
-
-
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: LatentLayout,
                      swa_indices: torch.Tensor, swa_lens: torch.Tensor,
                      extra_cache: torch.Tensor | None, extra_layout: LatentLayout | None,
@@ -446,8 +407,8 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ``split_probs`` forces (or disables) the hi/lo probability split of fp32-probability profiles,
     which is on by default wherever the dots take bf16 operands; ``isolate_scores`` and ``prefetch``
     select the kernel's ``ISOLATE_S`` / ``PREFETCH`` variants. ``hopper``: None (default) runs
-    ``sparse_hopper`` where ``hopper_unsupported`` allows it and no Triton-kernel tuning keyword is
-    given, False never, True always (RuntimeError with the reason where it cannot).
+    ``sparse_hopper`` where ``hopper_dispatch.hopper_unsupported`` allows it and no Triton-kernel tuning
+    keyword is given, False never, True always (RuntimeError with the reason where it cannot).
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty_like(q)
@@ -486,9 +447,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     swa_u8, swa_bf16 = swa.byte_views(swa_cache)
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     if hopper or (hopper is None and not triton_tuned):
-        why = hopper_unsupported(facts, swa, ext, dim, probs_bf16)
+        why = hopper_dispatch.hopper_unsupported(facts, swa, ext, dim, probs_bf16)
         if why is None:
-            _hopper_loader()[0].sparse_hopper(
+            hopper_dispatch.loader()[0].sparse_hopper(
                 q, swa_cache, swa, swa_indices, swa_lens, ext_cache, ext, ext_idx, ext_lens, has_extra, sink, out,
                 lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E, num_splits=splits)
             _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)

@@ -4,9 +4,9 @@ The same function as ``sparse_attention._sparse_attention_kernel`` with bf16 pro
 and ``vllm``, SPEC §6.6) for two page formats: fp8_ds_mla records (SPEC §9.1, the decode path) and bf16
 rows of 512 (SPEC §9.2, the prefill path). SWA list + extra list, -1 entries skipped, the sink in the
 denominator only, lse without it, split partials merged by the Triton ``_combine_kernel``.
-``sparse_attention.sparse_attention`` dispatches here when ``hopper_unsupported`` finds nothing against
-it, else it runs the Triton kernel. Gluon kernels do not run under the interpreter: the H200 checks
-are in tools/gpu_check.py; CI checks the dispatch.
+``sparse_attention.sparse_attention`` dispatches here when ``hopper_dispatch.hopper_unsupported`` finds
+nothing against it, else it runs the Triton kernel. Gluon kernels do not run under the interpreter: the
+H200 checks are in tools/gpu_check.py; CI checks the dispatch.
 
 One program per (token, 64-head block, key split), three roles sharing 201 KB of shared memory
 (q ``[64, 512]`` bf16, a 2-deep ring of ``[64, 512]`` bf16 K tiles, P ``[64, 64]`` bf16):
@@ -305,7 +305,7 @@ def sparse_hopper(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout, swa_indi
                   ext_lens: torch.Tensor, has_extra: bool, sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   part_acc: torch.Tensor, part_ml: torch.Tensor, *, scale_log2: float, num_splits: int) -> None:
     """Launch into ``out`` / ``lse`` (or the split partials). Inputs validated by the caller
-    (``sparse_attention.hopper_unsupported`` is None for these layouts); caches are the uint8/bf16 page
+    (``hopper_dispatch.hopper_unsupported`` is None for these layouts); caches are the uint8/bf16 page
     tensors with their ``LatentLayout``; scale_log2 = softmax_scale * log2(e)."""
     num_tokens, num_heads, _ = q.shape
     fp8 = swa_layout.fp8_nope

@@ -147,8 +147,8 @@ def test_hopper_dispatch_rules() -> None:
     each other case names its reason. Their numerics are checked on the H200 (tools/gpu_check.py), since
     Gluon does not run under the interpreter."""
     from dsv4.backends.triton._common import DeviceFacts
+    from dsv4.backends.triton.hopper_dispatch import hopper_unsupported
     from dsv4.backends.triton.layout import latent_layout
-    from dsv4.backends.triton.sparse_attention import hopper_unsupported
 
     hopper = DeviceFacts(132, True, True, True, True, True)
     bf16 = latent_layout("bf16", _filled_cache("bf16", 2, 16))
@@ -187,6 +187,7 @@ def test_hopper_chosen_by_default_where_supported(monkeypatch, kv_format: str) -
     keyword or hopper=False keeps the Triton kernel (a fake device and module stand in here)."""
     import types
 
+    from dsv4.backends.triton import hopper_dispatch
     from dsv4.backends.triton import sparse_attention as sa
     from dsv4.backends.triton._common import DeviceFacts
 
@@ -199,7 +200,7 @@ def test_hopper_chosen_by_default_where_supported(monkeypatch, kv_format: str) -
 
     monkeypatch.setattr(sa, "device_facts", lambda device: DeviceFacts(4, False, False, False, False, True))
     fake_module = types.SimpleNamespace(sparse_hopper=fake_launch)
-    monkeypatch.setattr(sa, "_hopper_loader", lambda: (fake_module, None))
+    monkeypatch.setattr(hopper_dispatch, "loader", lambda: (fake_module, None))
     cache = _filled_cache(kv_format, 2, 16)
     idx, lens = _indices(2, 8, 32)
     q = torch.randn(2, 4, 512).to(torch.bfloat16)
