@@ -12,7 +12,7 @@ then two packed ``fma.rn.bf16x2 x, f, -0`` by 2**(min(byte, 134) - 7) and 2**max
 for every scale byte 0..254 (one rounding where the result is below the bf16 normal range, as the
 fp32 -> bf16 cast). Every PTX block works on whole int32 words (pack=1), so nothing depends on how
 Triton packs elements; ``dequant_check`` runs it on given bytes (tools/gpu_check.py compares it bit for
-bit with the reference decode). DQ = 0 (the hardware e4m3 cvt) is the comparison path of that check.
+bit with the reference decode).
 """
 from __future__ import annotations
 
@@ -54,26 +54,16 @@ def _words_to_bf16(o0, o1):
 
 
 @gluon.jit
-def _dq_chunk(w, sb, DQ: gl.constexpr):
+def _dq_chunk(w, sb):
     """w int32 [R, 16] (64 e4m3 codes of a row chunk, little-endian), sb int32 [R] scale bytes (SliceLayout(1)
-    of w's layout) -> bf16 [R, 64] = e4m3 * 2**(sb - 127): DQ = 2 the bit placement (module docstring),
-    DQ = 0 the hardware cvt (the check's comparison path)."""
-    R: gl.constexpr = w.shape[0]
-    if DQ == 0:
-        # b4[k, i, j] = byte 2i + j of word k
-        b4 = gl.join(gl.join(w & 255, (w >> 16) & 255), gl.join((w >> 8) & 255, (w >> 24) & 255))
-        codes = gl.reshape(b4, [R, 64]).to(gl.uint8)
-        sc = gl.expand_dims((sb << 23).to(gl.float32, bitcast=True), 1) + (w * 0).to(gl.float32)
-        sc4 = gl.reshape(gl.join(gl.join(sc, sc), gl.join(sc, sc)), [R, 64])
-        return (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc4).to(gl.bfloat16)
-    else:
-        e1 = gl.minimum(sb, 134) + 120
-        f1 = gl.expand_dims((e1 << 7) | (e1 << 23), 1)  # bf16x2 2**(min(byte, 134) - 7)
-        e2 = gl.maximum(sb - 134, 0) + 127
-        f2 = gl.expand_dims((e2 << 7) | (e2 << 23), 1)  # bf16x2 2**max(byte - 134, 0)
-        o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w, f1, f2], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
-        return _words_to_bf16(o0, o1)
+    of w's layout) -> bf16 [R, 64] = e4m3 * 2**(sb - 127), by bit placement (module docstring)."""
+    e1 = gl.minimum(sb, 134) + 120
+    f1 = gl.expand_dims((e1 << 7) | (e1 << 23), 1)  # bf16x2 2**(min(byte, 134) - 7)
+    e2 = gl.maximum(sb - 134, 0) + 127
+    f2 = gl.expand_dims((e2 << 7) | (e2 << 23), 1)  # bf16x2 2**max(byte - 134, 0)
+    o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w, f1, f2], dtype=(gl.int32, gl.int32), is_pure=True,
+                                       pack=1)
+    return _words_to_bf16(o0, o1)
 
 
 @gluon.jit
@@ -182,18 +172,18 @@ def _unit_prefetch(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64,
 
 
 @gluon.jit
-def _unit_store(raw, dst, DQ: gl.constexpr):
+def _unit_store(raw, dst):
     """Dequantize one unit's registers into dst, a bf16 [RH, 512] shared-memory view: the [RH, 512] tile
     is assembled in registers (join tree + permute, no data movement) and stored at once, so the
     producer warps pass one barrier a unit instead of one per 64-column chunk."""
     n0, n1, n2, n3, n4, n5, n6, rp, sw = raw
-    c0 = _dq_chunk(n0, (sw & 255).to(gl.int32), DQ)
-    c1 = _dq_chunk(n1, ((sw >> 8) & 255).to(gl.int32), DQ)
-    c2 = _dq_chunk(n2, ((sw >> 16) & 255).to(gl.int32), DQ)
-    c3 = _dq_chunk(n3, ((sw >> 24) & 255).to(gl.int32), DQ)
-    c4 = _dq_chunk(n4, ((sw >> 32) & 255).to(gl.int32), DQ)
-    c5 = _dq_chunk(n5, ((sw >> 40) & 255).to(gl.int32), DQ)
-    c6 = _dq_chunk(n6, ((sw >> 48) & 255).to(gl.int32), DQ)
+    c0 = _dq_chunk(n0, (sw & 255).to(gl.int32))
+    c1 = _dq_chunk(n1, ((sw >> 8) & 255).to(gl.int32))
+    c2 = _dq_chunk(n2, ((sw >> 16) & 255).to(gl.int32))
+    c3 = _dq_chunk(n3, ((sw >> 24) & 255).to(gl.int32))
+    c4 = _dq_chunk(n4, ((sw >> 32) & 255).to(gl.int32))
+    c5 = _dq_chunk(n5, ((sw >> 40) & 255).to(gl.int32))
+    c6 = _dq_chunk(n6, ((sw >> 48) & 255).to(gl.int32))
     c7 = _rope_bf16(rp)
     j = gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
     # j[r, e, i, jj, k] = chunk 4k + 2jj + i, element e
@@ -244,7 +234,7 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
                              swa_len, ext_len, BN, RH, ROW, HAS_EXTRA)
             if part == 0:
                 mbarrier.wait(k_free.index(kb), ((r // STAGES) - 1) & 1, pred=r >= STAGES)
-            _unit_store(raw, k_cur.slice(part * RH, RH, dim=0), 2)
+            _unit_store(raw, k_cur.slice(part * RH, RH, dim=0))
             raw = raw_n
         fence_async_shared()
         gl.thread_barrier()  # producer warps only: the whole K tile is in shared memory
@@ -252,13 +242,13 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
 
 
 @gluon.jit
-def _dequant_check_kernel(words_ptr, bytes_ptr, out_ptr, R: gl.constexpr, DQ: gl.constexpr):
+def _dequant_check_kernel(words_ptr, bytes_ptr, out_ptr, R: gl.constexpr):
     """words [R, 16] int32 (64 e4m3 codes a row), bytes [R] int32 scale bytes -> out [R, 64] bf16 (4 warps)."""
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     rows = gl.arange(0, R, layout=gl.SliceLayout(1, LW))
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
     w = gl.load(words_ptr + gl.expand_dims(rows, 1) * 16 + gl.expand_dims(cols, 0))
-    x = _dq_chunk(w, gl.load(bytes_ptr + rows), DQ)
+    x = _dq_chunk(w, gl.load(bytes_ptr + rows))
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     x = gl.convert_layout(x, OL)
     r2 = gl.arange(0, R, layout=gl.SliceLayout(1, OL))
@@ -266,10 +256,10 @@ def _dequant_check_kernel(words_ptr, bytes_ptr, out_ptr, R: gl.constexpr, DQ: gl
     gl.store(out_ptr + gl.expand_dims(r2, 1) * 64 + gl.expand_dims(c2, 0), x)
 
 
-def dequant_check(codes: torch.Tensor, scale_bytes: torch.Tensor, dq: int = 2) -> torch.Tensor:
+def dequant_check(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [R, 64] (R a multiple of 32), scale_bytes [R] -> bf16 [R, 64] through the kernel's dequant
     (for gpu_check: compare bit-exactly with (e4m3 * 2**(byte - 127)) in fp32 rounded to bf16)."""
     out = torch.empty((codes.shape[0], 64), dtype=torch.bfloat16, device=codes.device)
     _dequant_check_kernel[(1,)](codes.contiguous().view(torch.int32), scale_bytes.to(torch.int32).contiguous(),
-                                out, R=codes.shape[0], DQ=dq, num_warps=4)
+                                out, R=codes.shape[0], num_warps=4)
     return out
