@@ -444,8 +444,6 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ext_cache = extra_cache if has_extra else swa_cache
     ext_idx = extra_indices if has_extra else swa_indices
     ext_lens = extra_lens if has_extra else swa_lens
-    swa_u8, swa_bf16 = swa.byte_views(swa_cache)
-    ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     if hopper or (hopper is None and not triton_tuned):
         why = hopper_dispatch.hopper_unsupported(facts, swa, ext, dim, probs_bf16)
         if why is None:
@@ -456,6 +454,8 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
             return out, lse
         if hopper:
             raise RuntimeError(f"sparse_attention(hopper=True): {why}")
+    swa_u8, swa_bf16 = swa.byte_views(swa_cache)
+    ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).
     swa_i64, ext_i64 = swa_u8.view(torch.int64), ext_u8.view(torch.int64)
     # Power-of-two pages (the usual case): the kernel takes log2 of the page size and shifts.

@@ -1,10 +1,11 @@
 """fp8_ds_mla producer of ``sparse_hopper`` (sm_90a, Gluon): records -> bf16 K tiles in shared memory.
 
-Record geometry (SPEC §9.1): 448 e4m3 nope bytes + 64 bf16 rope values a token (576 B), 8 UE8M0 bytes a
-token in the page's scale area (byte c scales nope chunk c of 64 values, byte 7 is padding). A 64-key
-tile is PARTS units of RH rows; a unit's bytes are gathered straight into registers (int32 words; the
-8 scale bytes as one int64), dequantized there and stored as one bf16 ``[RH, 512]`` block; the loads of
-unit u+1 are in flight while unit u is dequantized, unit u+2's records are prefetched into L2.
+Record geometry: the fp8_ds_mla format (SPEC §9.1, ``dsv4.specs.formats``; offsets and strides reach the
+kernel from ``LatentLayout``): NOPE_CHUNKS chunks of e4m3 nope values with one UE8M0 scale byte each, the
+bf16 rope chunk, and a token's scale bytes (one 8-byte word) in the page's scale area. A 64-key tile is
+PARTS units of RH rows; a unit's bytes are gathered straight into registers (int32 words; the scale
+word as one int64), dequantized there and stored as one bf16 ``[RH, 512]`` block; the loads of unit u+1
+are in flight while unit u is dequantized, unit u+2's records are prefetched into L2.
 
 Dequantization (``_dq_chunk``): a PRMT puts e4m3 bytes 2k, 2k+1 in the high bytes of two 16-bit halves,
 mask / shift / or give bf16 bits s.0000eeee.mmm0000 = the e4m3 value * 2**-120 (subnormals included),
@@ -85,17 +86,31 @@ def _list_position(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA: g
 
 
 @gluon.jit
-def _page_source(tile, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr,
-                 SWA_SCALE_OFF: gl.constexpr, EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr,
-                 EXT_SCALE_OFF: gl.constexpr, HAS_EXTRA: gl.constexpr):
-    """The cache of virtual tile ``tile``: (int32 view, int64 view, log2 page size, page stride in 16-byte
-    units, scale-area offset in 8-byte units)."""
+def _record_words(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B: gl.constexpr,
+                  SWA_PAGE: gl.constexpr, SWA_SCALE_OFF: gl.constexpr, EXT_LOG2B: gl.constexpr,
+                  EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
+                  SCALE_STRIDE: gl.constexpr, HAS_EXTRA: gl.constexpr):
+    """Where the records of ``slots`` (virtual tile ``tile``'s cache) live: (int32 view, int64 view,
+    validity, record start in int32 words (16-byte aligned), scale word index in the int64 view)."""
     if HAS_EXTRA:
         in_swa = tile < n_swa
-        return (gl.where(in_swa, swa_i32, ext_i32), gl.where(in_swa, swa_i64, ext_i64),
-                gl.where(in_swa, SWA_LOG2B, EXT_LOG2B), gl.where(in_swa, SWA_PAGE // 16, EXT_PAGE // 16),
-                gl.where(in_swa, SWA_SCALE_OFF // 8, EXT_SCALE_OFF // 8))
-    return swa_i32, swa_i64, SWA_LOG2B, SWA_PAGE // 16, SWA_SCALE_OFF // 8
+        i32 = gl.where(in_swa, swa_i32, ext_i32)
+        i64 = gl.where(in_swa, swa_i64, ext_i64)
+        log2b = gl.where(in_swa, SWA_LOG2B, EXT_LOG2B)
+        pw = gl.where(in_swa, SWA_PAGE // 16, EXT_PAGE // 16)
+        so = gl.where(in_swa, SWA_SCALE_OFF // 8, EXT_SCALE_OFF // 8)
+    else:
+        i32 = swa_i32
+        i64 = swa_i64
+        log2b = SWA_LOG2B
+        pw = SWA_PAGE // 16
+        so = SWA_SCALE_OFF // 8
+    valid = slots >= 0
+    safe = gl.where(valid, slots, 0)
+    page = (safe >> log2b).to(gl.int64)
+    in_page = (safe & ((1 << log2b) - 1)).to(gl.int64)
+    recw = page * pw * 4 + in_page * (TOKEN_STRIDE // 4)
+    return i32, i64, valid, recw, page * pw * 2 + so + in_page * (SCALE_STRIDE // 8)
 
 
 @gluon.jit
@@ -114,18 +129,16 @@ def _unit_load(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64,
                SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, SWA_SCALE_OFF: gl.constexpr,
                EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr,
                TOKEN_STRIDE: gl.constexpr, NOPE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-               SCALE_STRIDE: gl.constexpr, HAS_EXTRA: gl.constexpr, LW: gl.constexpr):
-    """Issue the loads of one unit: 7 nope chunks int32 [RH, 16], rope int32 [RH, 32], scale word int64 [RH]
-    (all zero for slot -1). Returns them as a tuple."""
-    valid = slots >= 0
-    safe = gl.where(valid, slots, 0)
-    i32, i64, log2b, pw, so = _page_source(tile, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B, SWA_PAGE,
-                                           SWA_SCALE_OFF, EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF, HAS_EXTRA)
-    page = (safe >> log2b).to(gl.int64)
-    in_page = (safe & ((1 << log2b) - 1)).to(gl.int64)
-    recw = page * pw * 4 + in_page * (TOKEN_STRIDE // 4)  # int32 words; multiple of 4 (16 B)
-    recw = gl.multiple_of(recw, 4)
-    sw = gl.load(i64 + page * pw * 2 + so + in_page * (SCALE_STRIDE // 8), mask=valid, other=0)
+               SCALE_STRIDE: gl.constexpr, NOPE_CHUNKS: gl.constexpr, HAS_EXTRA: gl.constexpr,
+               LW: gl.constexpr):
+    """Issue the loads of one unit: NOPE_CHUNKS nope chunks int32 [RH, 16], rope int32 [RH, 32], scale word
+    int64 [RH] (all zero for slot -1). Returns them as a tuple."""
+    gl.static_assert(NOPE_CHUNKS == 7, "the unrolled gathers and _unit_store cover 7 nope chunks")
+    i32, i64, valid, recw, swi = _record_words(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B,
+                                               SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF,
+                                               TOKEN_STRIDE, SCALE_STRIDE, HAS_EXTRA)
+    recw = gl.multiple_of(recw, 4)  # int32 words; 16-byte aligned records
+    sw = gl.load(i64 + swi, mask=valid, other=0)
     base = i32 + gl.expand_dims(recw, 1)
     m = gl.expand_dims(valid, 1)
     c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
@@ -152,21 +165,18 @@ def _unit_prefetch(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64,
                    EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr,
                    TOKEN_STRIDE: gl.constexpr, SCALE_STRIDE: gl.constexpr, HAS_EXTRA: gl.constexpr,
                    LP: gl.constexpr):
-    """``prefetch.global.L2`` of the records of ``slots`` (5 lines of 128 B cover a 576-byte record) and
-    their scale words; no registers held. slots [N] in SliceLayout(1, LP), LP an [N, 8] layout."""
-    valid = slots >= 0
-    safe = gl.where(valid, slots, 0)
-    i32, i64, log2b, pw, so = _page_source(tile, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B, SWA_PAGE,
-                                           SWA_SCALE_OFF, EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF, HAS_EXTRA)
-    page = (safe >> log2b).to(gl.int64)
-    in_page = (safe & ((1 << log2b) - 1)).to(gl.int64)
-    recw = page * pw * 4 + in_page * (TOKEN_STRIDE // 4)
-    sw = page * pw * 2 + so + in_page * (SCALE_STRIDE // 8)
+    """``prefetch.global.L2`` of the records of ``slots`` (LINES 128-byte lines cover a record) and their scale
+    words; no registers held. slots [N] in SliceLayout(1, LP), LP an [N, 8] layout."""
+    LINES: gl.constexpr = (TOKEN_STRIDE + 127) // 128
+    gl.static_assert(LINES < 8, "a record and its scale word take at most 8 prefetch lanes")
+    i32, i64, valid, recw, sw = _record_words(tile, slots, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B,
+                                              SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF,
+                                              TOKEN_STRIDE, SCALE_STRIDE, HAS_EXTRA)
     c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LP)), 0)
     rec_ptr = i32 + gl.expand_dims(recw, 1) + c * 32
     sc_ptr = (i64 + gl.expand_dims(sw, 1) + c * 0).to(gl.pointer_type(gl.int32), bitcast=True)
-    ptr = gl.where(c < 5, rec_ptr, sc_ptr)
-    ok = gl.expand_dims(valid, 1) & (c < 6)
+    ptr = gl.where(c < LINES, rec_ptr, sc_ptr)
+    ok = gl.expand_dims(valid, 1) & (c < LINES + 1)
     gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
                               "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -196,8 +206,8 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
                   SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, SWA_SCALE_OFF: gl.constexpr,
                   EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr,
                   TOKEN_STRIDE: gl.constexpr, NOPE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-                  SCALE_STRIDE: gl.constexpr, HAS_EXTRA: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                  PARTS: gl.constexpr):
+                  SCALE_STRIDE: gl.constexpr, NOPE_CHUNKS: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
     """Producer partition (its warps): tiles of BN keys in PARTS units of RH = BN / PARTS rows; the register
     gathers of unit u+1 are in flight while unit u is dequantized into k_ring[tile % STAGES], unit u+2's
     records are prefetched into L2 when unit u starts (slot indices loaded a unit earlier). k_ready
@@ -216,7 +226,7 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
                      HAS_EXTRA)
     raw = _unit_load(lo, s0, n_swa, swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF,
                      EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, NOPE_OFF, ROPE_OFF, SCALE_STRIDE,
-                     HAS_EXTRA, LW)
+                     NOPE_CHUNKS, HAS_EXTRA, LW)
     for tile in range(lo, hi):
         r = tile - lo
         kb = r % STAGES
@@ -225,7 +235,7 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
             # unit u + k is part (part + k) % PARTS of tile tile + (part + k) // PARTS
             raw_n = _unit_load(tile + (part + 1) // PARTS, s1, n_swa, swa_i32, ext_i32, swa_i64, ext_i64,
                                SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B, EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE,
-                               NOPE_OFF, ROPE_OFF, SCALE_STRIDE, HAS_EXTRA, LW)
+                               NOPE_OFF, ROPE_OFF, SCALE_STRIDE, NOPE_CHUNKS, HAS_EXTRA, LW)
             _unit_prefetch(tile + (part + 2) // PARTS, gl.convert_layout(s2, gl.SliceLayout(1, LU)), n_swa,
                            swa_i32, ext_i32, swa_i64, ext_i64, SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B,
                            EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, SCALE_STRIDE, HAS_EXTRA, LU)

@@ -19,9 +19,9 @@ One program per (token, 64-head block, key split), three roles sharing 201 KB of
   (fp32 statistics in the log2 domain), bf16 P, O[:, 0:128] += P V; the next tile's key validity is
   loaded a tile ahead; P and the row rescale go to warpgroup 1 through shared memory;
 - warpgroup 1 (232 registers): O[:, 128:512] += P V (an N=128 and an N=256 wgmma).
-H200 (docs/triton.md, "Seventh round"; CUDA-graph replay): decode b=128 h=64 SWA 128 + top-512 fp8
-44 us (the Triton kernel 67, FlashMLA 47); h=128 top-1024 125 us (217, 106); prefill s_q 4096 bf16 rows
-h=64 top-640 0.94 ms (1.74, 0.65), h=128 top-1152 2.82 ms (5.76, 2.07).
+H200 (CUDA-graph replay; the anchors and numbers are in docs/triton.md, "Current H200 numbers"): fp8
+decode 1.01x / 1.22x FlashMLA's time at h=64 / h=128 (the Triton kernel 1.44x / 2.07x), bf16-row prefill
+1.44x / 1.36x (the Triton kernel 2.7x / 2.8x).
 """
 from __future__ import annotations
 
@@ -216,7 +216,8 @@ def _sparse_hopper_kernel(
         SWA_LOG2B: gl.constexpr, SWA_PAGE: gl.constexpr, SWA_SCALE_OFF: gl.constexpr,
         EXT_LOG2B: gl.constexpr, EXT_PAGE: gl.constexpr, EXT_SCALE_OFF: gl.constexpr,
         TOKEN_STRIDE: gl.constexpr, NOPE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, SCALE_STRIDE: gl.constexpr,
-        FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NUM_SPLITS: gl.constexpr,
+        NOPE_CHUNKS: gl.constexpr, FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
         STAGES: gl.constexpr, C0: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         WG1_REGS: gl.constexpr, FP8_UNITS: gl.constexpr):
     """Grid (T, cdiv(H, 64), NUM_SPLITS), 4 warps + warpgroup 1 + producer warps.
@@ -283,8 +284,8 @@ def _sparse_hopper_kernel(
                            k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
             (_fp8_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_pages, ext_pages, swa_words,
                              ext_words, k_ring, k_ready, k_free, SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B,
-                             EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, NOPE_OFF, ROPE_OFF, SCALE_STRIDE, HAS_EXTRA, BN,
-                             STAGES, FP8_UNITS)),
+                             EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, NOPE_OFF, ROPE_OFF, SCALE_STRIDE, NOPE_CHUNKS,
+                             HAS_EXTRA, BN, STAGES, FP8_UNITS)),
         ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -323,6 +324,7 @@ def sparse_hopper(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout, swa_indi
         SWA_SCALE_OFF=swa_layout.scale_offset, EXT_LOG2B=ext_layout.block_size.bit_length() - 1,
         EXT_PAGE=ext_layout.page_stride, EXT_SCALE_OFF=ext_layout.scale_offset,
         TOKEN_STRIDE=swa_layout.token_stride, NOPE_OFF=swa_layout.nope_offset, ROPE_OFF=swa_layout.rope_offset,
-        SCALE_STRIDE=swa_layout.scale_stride, FP8=fp8, HAS_EXTRA=has_extra, BH=_BH, BN=_BN,
+        SCALE_STRIDE=swa_layout.scale_stride, NOPE_CHUNKS=swa_layout.nope_dim // swa_layout.quant_block, FP8=fp8,
+        HAS_EXTRA=has_extra, BH=_BH, BN=_BN,
         NUM_SPLITS=num_splits, STAGES=_STAGES, C0=_WG0_COLS, PRODUCER_WARPS=_PRODUCER_WARPS,
         PRODUCER_REGS=_PRODUCER_REGS[fp8], WG1_REGS=_WG1_REGS, FP8_UNITS=_FP8_UNITS, num_warps=4)
