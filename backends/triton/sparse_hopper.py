@@ -45,12 +45,13 @@ _FP8_UNITS = 4  # the fp8 producer's register units a tile (16 rows each)
 def _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, BN: gl.constexpr, LAYOUT: gl.constexpr,
                 HAS_EXTRA: gl.constexpr):
     """[BN] int32 slots of virtual tile ``tile`` (SWA tiles, then extra tiles) in ``LAYOUT`` and [BN]
-    validity (in the list and not -1, SPEC §10; past the list: all invalid)."""
+    validity (in the list and not -1, SPEC §10): entries past the list load as -1, so ``slots >= 0`` alone
+    is the validity (an extra ``in_list &`` cost ~300 SASS instructions a kernel on sm_90a)."""
     idx_row, local, length = _list_position(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA)
     j = local * BN + gl.arange(0, BN, layout=LAYOUT)
-    in_list = (j < length) & (j >= 0)
+    in_list = j < length
     slots = gl.load(idx_row + j, mask=in_list, other=-1)
-    return slots, in_list & (slots >= 0)
+    return slots, slots >= 0
 
 
 @gluon.jit
@@ -108,8 +109,9 @@ def _store_cols(acc, factor, t64, head_block, split, out_ptr, stride_ot, stride_
 @gluon.jit
 def _warpgroup1(lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads, k_ring,
                 p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH: gl.constexpr, STAGES: gl.constexpr,
-                NUM_SPLITS: gl.constexpr, C0: gl.constexpr):
-    """O[:, C0:256] and O[:, 256:512] += P V with P and the row rescale handed over by warpgroup 0."""
+                NUM_SPLITS: gl.constexpr, C0: gl.constexpr, ASYNC_ROWS: gl.constexpr):
+    """O[:, C0:256] and O[:, 256:512] += P V with P and the row rescale handed over by warpgroup 0.
+    ASYNC_ROWS: the ring's rows came from cp.async (see ``_warpgroup0``)."""
     NA: gl.constexpr = 256 - C0
     MMA_A: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NA, 16])
     MMA_B: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -119,7 +121,8 @@ def _warpgroup1(lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, p
         r = tile - lo
         s = r % STAGES
         mbarrier.wait(p_ready, r & 1)
-        fence_async_shared()  # the ring's rows came from cp.async (generic proxy); wgmma reads them
+        if ASYNC_ROWS:
+            fence_async_shared()  # the ring's rows came from cp.async (generic proxy); wgmma reads them
         acc_a = acc_a * gl.expand_dims(row_smem.index(0).load(gl.SliceLayout(1, MMA_A)), 1)
         acc_a = warpgroup_mma(p_smem, k_ring.index(s).slice(C0, NA, dim=1), acc_a)
         acc_b = acc_b * gl.expand_dims(row_smem.index(0).load(gl.SliceLayout(1, MMA_B)), 1)
@@ -138,8 +141,13 @@ def _warpgroup1(lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, p
 def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr, out_ptr,
                 stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2, q_smem, k_ring, p_smem,
                 row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH: gl.constexpr, BN: gl.constexpr,
-                STAGES: gl.constexpr, HAS_EXTRA: gl.constexpr, NUM_SPLITS: gl.constexpr, C0: gl.constexpr):
-    """S = q K^T, softmax, O[:, 0:C0] += P V; P and the rescale to warpgroup 1; the epilogue (SPEC §7)."""
+                STAGES: gl.constexpr, HAS_EXTRA: gl.constexpr, NUM_SPLITS: gl.constexpr, C0: gl.constexpr,
+                ASYNC_ROWS: gl.constexpr):
+    """S = q K^T, softmax, O[:, 0:C0] += P V; P and the rescale to warpgroup 1; the epilogue (SPEC §7).
+
+    ASYNC_ROWS: the ring's rows came from cp.async, whose writes no producer-side fence can order, so each
+    consumer fences (generic -> async proxy) after its wait; the fp8 producer stores with st.shared and
+    fences before it arrives, so its consumers do not."""
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C0, 16])
     P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
@@ -157,7 +165,8 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
         valid = valid_next
         _, valid_next = _tile_slots(tile + 1, n_swa, swa_row, ext_row, swa_len, ext_len, BN, KEYS, HAS_EXTRA)
         mbarrier.wait(k_ready.index(s), (r // STAGES) & 1)
-        fence_async_shared()  # the ring's rows came from cp.async (generic proxy); wgmma reads them
+        if ASYNC_ROWS:
+            fence_async_shared()  # the ring's rows came from cp.async (generic proxy); wgmma reads them
         sc = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False)
         sc = gl.where(gl.expand_dims(valid, 0), sc, float("-inf"))
         # log2 domain: max(s) * c = max(s * c) (c > 0), and s * c - m is one FMA a score.
@@ -279,9 +288,10 @@ def _sparse_hopper_kernel(
             (_warpgroup0, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr,
                            out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2,
                            q_smem, k_ring, p_smem, row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH, BN,
-                           STAGES, HAS_EXTRA, NUM_SPLITS, C0)),
+                           STAGES, HAS_EXTRA, NUM_SPLITS, C0, False)),
             (_warpgroup1, (lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads,
-                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
+                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0,
+                           False)),
             (_fp8_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_pages, ext_pages, swa_words,
                              ext_words, k_ring, k_ready, k_free, SWA_LOG2B, SWA_PAGE, SWA_SCALE_OFF, EXT_LOG2B,
                              EXT_PAGE, EXT_SCALE_OFF, TOKEN_STRIDE, NOPE_OFF, ROPE_OFF, SCALE_STRIDE, NOPE_CHUNKS,
@@ -292,9 +302,10 @@ def _sparse_hopper_kernel(
             (_warpgroup0, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_block, split, sink_ptr,
                            out_ptr, stride_ot, stride_oh, lse_ptr, part_acc, part_ml, num_heads, scale_log2,
                            q_smem, k_ring, p_smem, row_smem, k_ready, k_free, p_ready, p_free, fin_ready, BH, BN,
-                           STAGES, HAS_EXTRA, NUM_SPLITS, C0)),
+                           STAGES, HAS_EXTRA, NUM_SPLITS, C0, True)),
             (_warpgroup1, (lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads,
-                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0)),
+                           k_ring, p_smem, row_smem, k_free, p_ready, p_free, fin_ready, BH, STAGES, NUM_SPLITS, C0,
+                           True)),
             (_rows_producer, (lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_pages, ext_pages, k_ring,
                               k_ready, k_free, SWA_LOG2B, SWA_PAGE, EXT_LOG2B, EXT_PAGE, TOKEN_STRIDE, NOPE_OFF,
                               HAS_EXTRA, BN, STAGES)),
