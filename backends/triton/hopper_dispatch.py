@@ -11,7 +11,9 @@ from functools import cache
 from dsv4.backends.triton._common import DeviceFacts
 from dsv4.backends.triton.layout import LatentLayout
 
-__all__ = ["hopper_unsupported", "loader"]
+__all__ = ["BLOCK_HEADS", "BLOCK_KEYS", "hopper_unsupported", "loader"]
+
+BLOCK_HEADS, BLOCK_KEYS = 64, 64  # the Hopper kernel's program: heads (the wgmma M) and keys a tile
 
 
 @cache

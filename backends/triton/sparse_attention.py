@@ -422,20 +422,29 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ext_width = extra_indices.shape[1] if has_extra else 0
     facts = device_facts(q.device)
     num_sms, hardware_e4m3, rne_cvt = facts.num_sms, facts.hw_e4m3, facts.rne_cvt
-    tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
-    bh = block_heads or tuning.block_heads
-    bn = block_keys or tuning.block_keys
-    head_blocks = _cdiv(num_heads, bh)
-    isolate = tuning.isolate_scores if isolate_scores is None else isolate_scores
-    prefetch = tuning.prefetch if prefetch is None else int(prefetch)
-    # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
-    repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
-    keys = bn // repeat
-    splits = num_splits or choose_num_splits(num_tokens, head_blocks,
-                                             _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
     swa = swa_layout
     ext = extra_layout if has_extra else swa_layout
     chunk, nope_chunks, chunks = _record_geometry(swa, ext)
+    use_hopper = False
+    if hopper or (hopper is None and not triton_tuned):
+        why = hopper_dispatch.hopper_unsupported(facts, swa, ext, dim, probs_bf16)
+        if why is not None and hopper:
+            raise RuntimeError(f"sparse_attention(hopper=True): {why}")
+        use_hopper = why is None
+    if use_hopper:  # the split count from the kernel that runs: the Hopper kernel's own tile shape
+        bh, keys = hopper_dispatch.BLOCK_HEADS, hopper_dispatch.BLOCK_KEYS
+    else:
+        tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
+        bh = block_heads or tuning.block_heads
+        bn = block_keys or tuning.block_keys
+        isolate = tuning.isolate_scores if isolate_scores is None else isolate_scores
+        prefetch = tuning.prefetch if prefetch is None else int(prefetch)
+        # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
+        repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
+        keys = bn // repeat
+    head_blocks = _cdiv(num_heads, bh)
+    splits = num_splits or choose_num_splits(num_tokens, head_blocks,
+                                             _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
     if splits > 1:
         part_acc = torch.empty((num_tokens * num_heads * splits, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_tokens * num_heads * splits, 2), dtype=torch.float32, device=q.device)
@@ -444,16 +453,12 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     ext_cache = extra_cache if has_extra else swa_cache
     ext_idx = extra_indices if has_extra else swa_indices
     ext_lens = extra_lens if has_extra else swa_lens
-    if hopper or (hopper is None and not triton_tuned):
-        why = hopper_dispatch.hopper_unsupported(facts, swa, ext, dim, probs_bf16)
-        if why is None:
-            hopper_dispatch.loader()[0].sparse_hopper(
-                q, swa_cache, swa, swa_indices, swa_lens, ext_cache, ext, ext_idx, ext_lens, has_extra, sink, out,
-                lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E, num_splits=splits)
-            _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
-            return out, lse
-        if hopper:
-            raise RuntimeError(f"sparse_attention(hopper=True): {why}")
+    if use_hopper:
+        hopper_dispatch.loader()[0].sparse_hopper(
+            q, swa_cache, swa, swa_indices, swa_lens, ext_cache, ext, ext_idx, ext_lens, has_extra, sink, out,
+            lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E, num_splits=splits)
+        _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
+        return out, lse
     swa_u8, swa_bf16 = swa.byte_views(swa_cache)
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).

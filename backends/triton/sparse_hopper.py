@@ -20,12 +20,13 @@ One program per (token, 64-head block, key split), three roles sharing 201 KB of
   loaded a tile ahead; P and the row rescale go to warpgroup 1 through shared memory;
 - warpgroup 1 (232 registers): O[:, 128:512] += P V (an N=128 and an N=256 wgmma).
 H200 (CUDA-graph replay; the anchors and numbers are in docs/triton.md, "Current H200 numbers"): fp8
-decode 1.01x / 1.22x FlashMLA's time at h=64 / h=128 (the Triton kernel 1.44x / 2.07x), bf16-row prefill
-1.44x / 1.36x (the Triton kernel 2.7x / 2.8x).
+decode 0.97x / 1.18x FlashMLA's time at h=64 / h=128 (the Triton kernel 1.46x / 2.06x), bf16-row prefill
+1.41x / 1.29x (the Triton kernel 2.7x / 2.8x).
 """
 from __future__ import annotations
 
 import torch
+from dsv4.backends.triton.hopper_dispatch import BLOCK_HEADS, BLOCK_KEYS
 from dsv4.backends.triton.sparse_fp8_producer import _fp8_producer, _list_position
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,7 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 __all__ = ["sparse_hopper"]
 
-_BH, _BN, _STAGES = 64, 64, 2  # heads a program (the wgmma M), keys a tile, K ring depth
+_BH, _BN = BLOCK_HEADS, BLOCK_KEYS  # heads a program (the wgmma M), keys a tile (host side: hopper_dispatch)
+_STAGES = 2  # K ring depth
 _WG0_COLS = 128  # output columns of warpgroup 0 (it also computes S and the softmax)
 _PRODUCER_WARPS, _WG1_REGS = 4, 232
 _PRODUCER_REGS = {False: 56, True: 112}  # bf16 rows (cp.async) / fp8 records (register gathers, dequant)
