@@ -67,7 +67,8 @@ def _rank(rank: int, tp: int, port: int, args: argparse.Namespace, out_dir: str)
         device = "cpu"
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=tp, timeout=datetime.timedelta(seconds=300))
+                            rank=rank, world_size=tp, timeout=datetime.timedelta(seconds=300),
+                            device_id=torch.device(device) if args.device == "cuda" else None)  # binds NCCL to the GPU
     rows = []
     try:
         groups = init_parallel_groups(tp, 1)
