@@ -4,16 +4,18 @@ weighted RMSNorm + RoPE + (indexer: Hadamard) + quantize + cache insert.
 Two launches over all T tokens (prefill and decode tokens mixed), no order pre-pass:
 
 - ``_save_fuse_kernel``: one program per group of G tokens (G = r when fusing). It saves the group's
-  state rows (SPEC §5.1) from one 2-D tile load, and when the group is one aligned block of one
-  request whose window rows are all tokens of this call (checked per row: position, request and
-  state slot, so the shortcut equals reading the state), pools the block from the rows it already
-  holds in registers (r = 4: plus the previous block's half columns, re-read from ``kv_score`` in
-  L2) and finishes it: norm, RoPE, Hadamard, quantize, write. It never reads the state, so no
-  program depends on another's writes. A per-group flag records whether it finished the block and how
-  many closing tokens it left.
-- ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, requests
-  not aligned with the groups, out-of-order batches) pools its window from the state, now
-  complete (a later launch), and finishes it. For an aligned prefill it only reads the flags (one load).
+  state rows (SPEC §5.1) from one 2-D tile load and, when the group holds a token closing a block of
+  one request whose window rows are all tokens of this call (checked per row: position, request and
+  state slot, so the shortcut equals reading the state), pools that block and finishes it: norm,
+  RoPE, Hadamard, quantize, write (``compressor_finish``). An aligned block (r = 4: the group's last
+  token closes it; r = 128: always) pools from the rows the group holds in registers; r = 4 re-reads
+  the previous block's half columns from ``kv_score`` (L2), and a block of a request that starts at an
+  unaligned token index (packed multi-request prefill) re-reads its own rows there too. It never reads
+  the state, so no program depends on another's writes. A per-group flag records which closing token
+  it finished and how many it left.
+- ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, r = 128 blocks
+  not aligned with the groups, out-of-order batches) pools its window from the state, now complete
+  (a later launch), and finishes it. When the first launch left nothing it only reads the flags.
 
 r = 4 pools in two passes over the 8 rows in registers; r = 128 streams its 128 rows in chunks of
 R rows with an online (rescaled) softmax, so the pooled row stays in registers.
@@ -23,115 +25,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from dsv4.backends.triton._common import (
-    INTERPRET,
-    ceil_log2_exponent,
-    device_facts,
-    encode_e4m3,
-    gdc_launch_dependents,
-    gdc_wait,
-    next_pow2,
-    pow2_from_exponent,
-    round_bf16,
+from dsv4.backends.triton._common import INTERPRET, device_facts, gdc_launch_dependents, gdc_wait, next_pow2
+from dsv4.backends.triton.compressor_finish import (
+    OUT_KEY_FP8,
+    OUT_KEY_MXFP4,
+    OUT_LATENT,
+    _e2m1_code,  # noqa: F401 - re-exported for the tests
+    _finish,
+    _sylvester,  # noqa: F401 - re-exported for the tests
 )
 from dsv4.backends.triton.layout import KeyLayout, LatentLayout
-from dsv4.backends.triton.qnorm_rope_insert import write_latent_row
 
 __all__ = ["compress_insert"]
-
-# Output kinds of _finish.
-_OUT_LATENT, _OUT_KEY_FP8, _OUT_KEY_MXFP4 = 0, 1, 2
-
-
-@triton.jit
-def _sylvester(N: tl.constexpr):
-    """[N, N] fp32 Sylvester Hadamard matrix of +-1 (N <= 256): (-1)^popcount(i & j)."""
-    i = tl.arange(0, N)
-    x = i[:, None] & i[None, :]
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
-
-
-@triton.jit
-def _finish(c, p, out_slot, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
-            u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset, scale_offset,
-            scale_stride, RATIO: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-            QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
-            DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
-    """Pooled row ``c`` [D] fp32 of the block closing at position ``p`` -> cache row at ``out_slot``."""
-    cols = tl.arange(0, D)
-    w = tl.load(norm_weight + cols)
-    if DEEPSEEK_ROUNDING:
-        c = round_bf16(c)
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(c * c, 0) / D + eps))
-    n = c * inv * w
-    if DEEPSEEK_ROUNDING:
-        n = round_bf16(n)
-    # SPEC §4: GPT-J pairs (2i, 2i+1) of the last ROPE dims, rotated at the block's first position.
-    even, odd = tl.split(tl.reshape(n, (D // 2, 2)))
-    pair = tl.arange(0, D // 2)
-    in_rope = pair >= NOPE // 2
-    k = tl.where(in_rope, pair - NOPE // 2, 0)
-    cs_row = cos_sin + ((p // RATIO) * RATIO) * stride_cs
-    cos = tl.load(cs_row + k, mask=in_rope, other=1.0)
-    sin = tl.load(cs_row + ROPE // 2 + k, mask=in_rope, other=0.0)
-    even_rot = tl.where(in_rope, even * cos - odd * sin, even)
-    odd_rot = tl.where(in_rope, odd * cos + even * sin, odd)
-    row = round_bf16(tl.reshape(tl.join(even_rot, odd_rot), (D,)))
-    if HADAMARD:
-        # SPEC §6.5: Sylvester Walsh-Hadamard, fp32 math, one bf16 round. Sylvester H_D = H_A (x) H_B
-        # (D = A*B, index a*B + b), so H x = vec(H_A X H_B) with X = x as [A, B]: A*B*(A+B) products
-        # instead of D*D. Both factors are Sylvester matrices, H[i, j] = (-1)^popcount(i & j): built from
-        # bits in registers (no loads, no layout conversions of loaded tiles); ``hadamard`` is not read.
-        HB: tl.constexpr = D // HAD_A
-        x = tl.reshape(row, (HAD_A, HB))
-        h_b = _sylvester(HB)
-        h_a = _sylvester(HAD_A)
-        y = tl.sum(x[:, :, None] * h_b[None, :, :], 1)  # [A, B] = X @ H_B
-        z = tl.sum(h_a[:, :, None] * y[None, :, :], 1)  # [A, B] = H_A @ (X @ H_B)
-        row = round_bf16(tl.reshape(z, (D,)) * hadamard_scale)
-    if OUT_KIND == 0:
-        write_latent_row(u8_ptr, bf16_ptr, out_slot, row, cols, block_size, page_stride, token_stride,
-                         nope_offset, rope_offset, scale_offset, scale_stride, FP8, D, NOPE, QBLOCK, SCALE_ROW)
-    else:
-        slot = out_slot.to(tl.int64)
-        page_base = (slot // block_size) * page_stride
-        in_page = slot % block_size
-        if OUT_KIND == 1:
-            # SPEC §9.3 fp8 keys: one pow2 scale per vector, 2**ceil(log2(max(amax,1e-4)/448)).
-            amax = tl.maximum(tl.max(tl.abs(row), 0), 1e-4)
-            e = ceil_log2_exponent(tl.div_rn(amax, 448.0))
-            scaled = tl.minimum(tl.maximum(row * pow2_from_exponent(-e), -448.0), 448.0)
-            tl.store(u8_ptr + page_base + in_page * token_stride + cols, encode_e4m3(scaled))
-            scale_ptr = (u8_ptr + page_base + scale_offset + in_page * scale_stride).to(tl.pointer_type(tl.float32))
-            tl.store(scale_ptr, pow2_from_exponent(e))
-        else:
-            # SPEC §9.3 mxfp4 keys: e2m1 per QBLOCK with UE8M0 scales, nibbles packed low-first.
-            blocks = tl.reshape(row, (D // QBLOCK, QBLOCK))
-            amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
-            e = ceil_log2_exponent(tl.div_rn(amax, 6.0))
-            scaled = blocks * pow2_from_exponent(-e)[:, None]
-            code = _e2m1_code(scaled)
-            low, high = tl.split(tl.reshape(code, (D // 2, 2)))
-            tl.store(u8_ptr + page_base + in_page * token_stride + tl.arange(0, D // 2),
-                     (low | (high << 4)).to(tl.uint8))
-            tl.store(u8_ptr + page_base + scale_offset + in_page * scale_stride + tl.arange(0, D // QBLOCK),
-                     (e + 127).to(tl.uint8))
-
-
-@triton.jit
-def _e2m1_code(x):
-    """Scaled fp32 x -> 4-bit e2m1 code (sign << 3 | index in {0,.5,1,1.5,2,3,4,6}), round to nearest
-    even, saturating at 6: the code of ``simulate_fp4`` (SPEC §6.6), from bits. |x| >= 1: round the
-    mantissa to one bit (RNE on the bits), code = 2 * (exponent + 1) + bit; |x| < 1: code = rne(2|x|)."""
-    a = tl.abs(x)
-    bits = a.to(tl.int32, bitcast=True)
-    high = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
-    low = ((a * 2.0 + 8388608.0) - 8388608.0).to(tl.int32)  # 2|x| < 2: adding 2**23 rounds to even
-    return tl.where(a < 1.0, low, high) | (x < 0).to(tl.int32) * 8
-
 
 @triton.jit
 def _online(m, s, acc, kv, score):
@@ -158,11 +63,17 @@ def _splat(flag, like):
 
 
 @triton.jit
-def _store_flag(ptr, fast, closing):
-    """Group flag (int8): bit 0 = block finished here, bits 1.. = closing tokens left to the second launch
-    (``closing`` [n] bool / int32 counts of the group's closing tokens; a fast group has only its last one)."""
+def _store_flag(ptr, fast, closing, idx, COFF: tl.constexpr):
+    """Group flag (int8) for the second launch. ``closing`` [n] bool / int32 counts of the group's closing
+    tokens, ``fast``: one of them finished here. r = 4: bit 0 = finished, bits 1-2 = its index in the group
+    (``idx``), bits 3.. = closing tokens left; r = 128: bit 0 = finished (the group's last token), bits 1..
+    = closing tokens left."""
     left = tl.sum(closing.to(tl.int32), 0) - fast.to(tl.int32)
-    tl.store(ptr, (fast.to(tl.int32) | (tl.minimum(left, 63) << 1)).to(tl.int8))
+    if COFF == 2:
+        flag = fast.to(tl.int32) | (tl.where(fast, idx, 0) << 1) | (tl.minimum(left, 7) << 3)
+    else:
+        flag = fast.to(tl.int32) | (tl.minimum(left, 63) << 1)
+    tl.store(ptr, flag.to(tl.int8))
 
 
 @triton.jit
@@ -182,28 +93,41 @@ def _window_in_call(t_first, q, live, request, positions, token_request, slot_ma
 
 
 @triton.jit
-def _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, block_table, stride_bt,
-                state_block_size, num_tokens, RATIO: tl.constexpr, COFF: tl.constexpr):
-    """Group of r tokens from t0: (fast, p, out_slot) where fast = its last token closes a block and every
-    row of that block's window is a token of this call at its expected index (or a position < 0)."""
-    tc = t0 + RATIO - 1  # the block's closing token
-    has_tc = tc < num_tokens
-    pc = tl.load(positions + tc, mask=has_tc, other=0)
-    rc = tl.load(token_request + tc, mask=has_tc, other=0).to(tl.int64)
-    oc = tl.load(out_slot_mapping + tc, mask=has_tc, other=-1)
-    closes = has_tc & (oc >= 0) & ((pc + 1) % RATIO == 0)
+def _fast_check(t0, p, out, req, ok, positions, token_request, slot_mapping, out_slot_mapping, block_table,
+                stride_bt, state_block_size, num_tokens, RATIO: tl.constexpr, COFF: tl.constexpr):
+    """Group of G tokens from t0: (fast, pc, oc, tc, idx). r = 4 (G = r; p, out, req, ok [G]: the group's
+    positions, output slots, requests, validity, already loaded): tc = t0 + idx is the group's last token
+    that closes a block, at any index, so requests that start at unaligned token indices qualify; r = 128:
+    the group's last token. fast: that token closes a block and every row of the block's window is a
+    token of this call at its expected index (or a position < 0)."""
+    if COFF == 2:
+        j = tl.arange(0, RATIO)
+        idx = tl.max(tl.where(ok & (out >= 0) & ((p + 1) % RATIO == 0), j, -1), 0)
+        closes = idx >= 0
+        pc = tl.sum(tl.where(j == idx, p, 0), 0)
+        oc = tl.sum(tl.where(j == idx, out, 0), 0)
+        rc = tl.sum(tl.where(j == idx, req, 0), 0).to(tl.int64)  # no load that waits on idx
+        tc = t0 + tl.maximum(idx, 0)
+    else:
+        idx = RATIO - 1
+        tc = t0 + RATIO - 1
+        has_tc = tc < num_tokens
+        pc = tl.load(positions + tc, mask=has_tc, other=0)
+        oc = tl.load(out_slot_mapping + tc, mask=has_tc, other=-1)
+        closes = has_tc & (oc >= 0) & ((pc + 1) % RATIO == 0)
+        rc = tl.load(token_request + tc, mask=has_tc, other=0).to(tl.int64)
     q_own = pc - RATIO + 1 + tl.arange(0, RATIO)
-    own = _window_in_call(t0, q_own, _splat(closes, q_own) & (q_own >= 0), rc, positions, token_request,
-                          slot_mapping, block_table, stride_bt, state_block_size, RATIO)
+    own = _window_in_call(tc - RATIO + 1, q_own, _splat(closes, q_own) & (q_own >= 0), rc, positions,
+                          token_request, slot_mapping, block_table, stride_bt, state_block_size, RATIO)
     fast = closes & (tl.sum(own.to(tl.int32), 0) == RATIO)
     if COFF == 2:
-        # r = 4 overlap: positions p-7..p-4 (previous block) are tokens t0-4..t0-1 or before position 0.
+        # r = 4 overlap: positions pc-7..pc-4 (previous block) are tokens tc-7..tc-4 or before position 0.
         q_prev = pc - 2 * RATIO + 1 + tl.arange(0, RATIO)
         prev_live = _splat(closes, q_prev) & (q_prev >= 0)
-        prev = _window_in_call(t0 - RATIO, q_prev, prev_live, rc, positions, token_request, slot_mapping,
+        prev = _window_in_call(tc - 2 * RATIO + 1, q_prev, prev_live, rc, positions, token_request, slot_mapping,
                                block_table, stride_bt, state_block_size, RATIO)
         fast = fast & (tl.sum((prev_live & ~prev).to(tl.int32), 0) == 0)
-    return fast, pc, oc
+    return fast, pc, oc, tc, idx
 
 
 @triton.jit
@@ -240,12 +164,14 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         p = tl.load(positions + t, mask=ok, other=0)
         slot = tl.load(slot_mapping + t, mask=ok, other=-1)
         out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
+        req = tl.load(token_request + t, mask=ok, other=-1) if FUSE else p
         if EARLY:
             tl.debug_barrier()  # keeps the compiler from sinking the loads above below the window check
         if FUSE:
-            fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping,
-                                       block_table, stride_bt, state_block_size, num_tokens, RATIO, COFF)
-            _store_flag(fused + group, fast, ok & (out >= 0) & ((p + 1) % RATIO == 0))
+            fast, pc, oc, tc, idx = _fast_check(t0, p, out, req, ok, positions, token_request, slot_mapping,
+                                                out_slot_mapping, block_table, stride_bt, state_block_size,
+                                                num_tokens, RATIO, COFF)
+            _store_flag(fused + group, fast, ok & (out >= 0) & ((p + 1) % RATIO == 0), idx, COFF)
         save = (ok & (slot >= 0))[:, None]
         dst = state + slot[:, None] * (2 * HALF) + cols[None, :]
         ape_row = ape + (p % RATIO)[:, None] * stride_ape + cols[None, :]
@@ -258,15 +184,27 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         tl.store(dst + 3 * D, sc_b, mask=save)
         if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
             if fast:
-                # Previous block: columns [0:d] of tokens t0-4..t0-1 (this call; ape phases 0..3 = ape_a's).
-                live = (pc - 2 * G + 1 + tl.arange(0, G)) >= 0
-                prev_src = kv_score + (t0 - G + tl.arange(0, G))[:, None] * stride_t + cols[None, :]
+                # The block closing at token tc: columns [d:2d] of tokens tc-3..tc and, previous block, columns
+                # [0:d] of tokens tc-7..tc-4 (this call, or positions < 0), with APE phases 0..3.
+                j = tl.arange(0, G)
+                live = (pc - 2 * G + 1 + j) >= 0
+                prev_src = kv_score + (tc - 2 * G + 1 + j)[:, None] * stride_t + cols[None, :]
                 kv_p = tl.load(prev_src, mask=live[:, None], other=0.0)
-                sc_p = tl.load(prev_src + 2 * D, mask=live[:, None], other=0.0) + ape_a
+                if idx == G - 1:  # aligned: the block is this group's rows, in registers, phases 0..3 in order
+                    ape_p = ape_a
+                    kv_c = kv_b
+                    sc_c = sc_b
+                else:  # a request starting at an unaligned token index: its rows from kv_score (L2) as well
+                    ape_rows = ape + j[:, None] * stride_ape + cols[None, :]
+                    ape_p = tl.load(ape_rows)
+                    cur_src = kv_score + (tc - G + 1 + j)[:, None] * stride_t + D + cols[None, :]
+                    kv_c = tl.load(cur_src)
+                    sc_c = tl.load(cur_src + 2 * D) + tl.load(ape_rows + D)
+                sc_p = tl.load(prev_src + 2 * D, mask=live[:, None], other=0.0) + ape_p
                 sc_p = tl.where(live[:, None], sc_p, float("-inf"))
-                top = tl.maximum(tl.max(sc_p, 0), tl.max(sc_b, 0))
+                top = tl.maximum(tl.max(sc_p, 0), tl.max(sc_c, 0))
                 e_p = tl.exp(sc_p - top[None, :])
-                e_b = tl.exp(sc_b - top[None, :])
+                e_b = tl.exp(sc_c - top[None, :])
                 # Sums in window order (rows p-7 .. p): the order of one 8-row tl.sum under the interpreter
                 # and of torch's CPU reduction, so fewer last-bit differences for FP4 keys to amplify.
                 total = tl.sum(e_p, 0)
@@ -276,7 +214,7 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                 # scaling), so one reciprocal a column gives the same bits with 2 instructions less a quotient.
                 inv = 1.0 / total
                 c = tl.sum(e_p * inv[None, :] * kv_p, 0)
-                w_kv = e_b * inv[None, :] * kv_b
+                w_kv = e_b * inv[None, :] * kv_c
                 for k in tl.static_range(G):
                     c += _row(w_kv, k, G)
                 _finish(c, pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
@@ -287,8 +225,9 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         # r = 128: row = [kv | sc]; the G rows in chunks of R, pooled online on the way (used if fast).
         t0 = tl.program_id(0).to(tl.int64) * G
         if FUSE:
-            fast, pc, oc = _fast_check(t0, positions, token_request, slot_mapping, out_slot_mapping, block_table,
-                                       stride_bt, state_block_size, num_tokens, RATIO, COFF)
+            fast, pc, oc, tc, idx = _fast_check(t0, t0, t0, t0, t0, positions, token_request, slot_mapping,
+                                                out_slot_mapping, block_table, stride_bt, state_block_size,
+                                                num_tokens, RATIO, COFF)
             closing = tl.zeros((R,), tl.int32)
             m = tl.full((D,), float("-inf"), tl.float32)
             s = tl.zeros((D,), tl.float32)
@@ -311,7 +250,7 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                 out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
                 closing += (ok & (out >= 0) & ((p + 1) % RATIO == 0)).to(tl.int32)
         if FUSE:
-            _store_flag(fused + tl.program_id(0), fast, closing)
+            _store_flag(fused + tl.program_id(0), fast, closing, idx, COFF)
         if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
             if fast:
                 _finish(tl.div_rn(acc, s), pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
@@ -342,9 +281,15 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
     t = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     ok = t < num_tokens
     if FUSE_G > 0:
-        # The first launch's group flags say whether any closing token is left (one load, no positions).
+        # The first launch's group flags (_store_flag) say whether any closing token is left (one load, no
+        # positions) and which one the first launch finished.
         flag = tl.load(fused + t // FUSE_G, mask=ok, other=0).to(tl.int32)
-        left = tl.sum(flag >> 1, 0)
+        if COFF == 2:
+            left = tl.sum(flag >> 3, 0)
+            done = ((flag & 1) != 0) & (t % FUSE_G == ((flag >> 1) & 3))
+        else:
+            left = tl.sum(flag >> 1, 0)
+            done = ((flag & 1) != 0) & (t % FUSE_G == FUSE_G - 1)
     else:
         left = 1
     todo = t < 0
@@ -353,7 +298,7 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
         out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
         todo = ok & (out >= 0) & ((p + 1) % RATIO == 0)
         if FUSE_G > 0:
-            todo = todo & ~(((flag & 1) != 0) & (t % FUSE_G == FUSE_G - 1))
+            todo = todo & ~done
     if tl.sum(todo.to(tl.int32), 0) > 0:
         cols = tl.arange(0, D)
         for k in range(GB):
@@ -430,13 +375,13 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     group = ratio if fuse else (4 if ratio == 4 else 1)
     rows = _rows or min(group, 8)
     if isinstance(out_layout, LatentLayout):
-        kind, fp8 = _OUT_LATENT, out_layout.fp8_nope
+        kind, fp8 = OUT_LATENT, out_layout.fp8_nope
         u8, bf16 = out_layout.byte_views(out_cache)
         args = out_layout.kernel_args()
         nope, qblock = out_layout.nope_dim, out_layout.quant_block
         scale_row = next_pow2(max(out_layout.scale_row_bytes, 1)) if fp8 else 1
     else:
-        kind = _OUT_KEY_FP8 if out_layout.format_name == "indexer_fp8" else _OUT_KEY_MXFP4
+        kind = OUT_KEY_FP8 if out_layout.format_name == "indexer_fp8" else OUT_KEY_MXFP4
         fp8 = False
         u8 = bf16 = out_cache
         block, stride, value_bytes, scale_offset, scale_bytes = out_layout.kernel_args()

@@ -183,6 +183,51 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
 
 
 
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile", [
+    (4, 512, "fp8_ds_mla", "deepseek"),
+    (4, 128, "indexer_mxfp4", "deepseek"),
+])
+def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_dim: int, out_format: str,
+                                                  profile: str) -> None:
+    """Several requests prefilled from position 0 in one call, packed back to back, so most start at token
+    indices that are not multiples of r: every block's window is in the call, so the first launch alone
+    (second launch switched off) must write every compressed row, equal to the reference's."""
+    import functools
+
+    from dsv4.backends.triton import compressor
+
+    monkeypatch.setattr(compressor, "compress_insert", functools.partial(compressor.compress_insert,
+                                                                         _second=False))
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    state_block, out_block = 16, 4
+    lengths = [13, 22, 9, 30]  # token offsets 0, 13, 35, 44: three of four requests unaligned
+    pages = max(lengths) // state_block + 2
+    table = torch.randperm(len(lengths) * pages).view(len(lengths), pages).to(torch.int32)
+    out_pages = max(lengths) // ratio // out_block + 1
+    out_table = torch.randperm(len(lengths) * out_pages).view(len(lengths), out_pages)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    token_request = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(lengths)])
+    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+        + positions % state_block
+    entry = positions // ratio
+    out_slots = torch.where((positions + 1) % ratio == 0,
+                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    kv_score = torch.randn(positions.numel(), width) * 2
+    ape, weight, cos_sin = torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(512)
+    state = torch.randn(len(lengths) * pages, state_block, width)
+    out_cache = poisoned_like(get_codec(out_format).allocate(len(lengths) * out_pages, out_block))
+    ref_state, ref_out = state.clone(), out_cache.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
+    args = (kv_score, positions, token_request)
+    TritonBackend().compress_insert(*args, state, table, state_slots, ape, weight, cos_sin, out_cache, out_slots, **kw)
+    reference.compress_insert(*args, ref_state, table, state_slots, ape, weight, cos_sin, ref_out, out_slots, **kw)
+    assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
+    written = out_slots[out_slots >= 0]
+    assert written.numel() == sum(n // ratio for n in lengths)
+    assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
+
+
 @triton.jit
 def _codes_kernel(x_ptr, want_ptr, got_ptr, h_ptr, N: tl.constexpr, H: tl.constexpr):
     i = tl.arange(0, N)
