@@ -7,14 +7,14 @@ Two launches over all T tokens (prefill and decode tokens mixed), no order pre-p
   state rows (SPEC §5.1) from one 2-D tile load and, when the group holds a token closing a block of
   one request whose window rows are all tokens of this call (checked per row: position, request and
   state slot, so the shortcut equals reading the state), pools that block and finishes it: norm,
-  RoPE, Hadamard, quantize, write (``compressor_finish``). An aligned block (r = 4: the group's last
-  token closes it; r = 128: always) pools from the rows the group holds in registers; r = 4 re-reads
-  the previous block's half columns from ``kv_score`` (L2), and a block of a request that starts at an
-  unaligned token index (packed multi-request prefill) re-reads its own rows there too. It never reads
-  the state, so no program depends on another's writes. A per-group flag records which closing token
-  it finished and how many it left.
-- ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, r = 128 blocks
-  not aligned with the groups, out-of-order batches) pools its window from the state, now complete
+  RoPE, Hadamard, quantize, write (``compressor_finish``). A block that is the group itself pools
+  from the rows the group holds in registers (r = 4 re-reads the previous block's half columns from
+  ``kv_score``, in L2); a block of a request that starts at an unaligned token index (packed
+  multi-request prefill) re-reads its own rows from ``kv_score`` too. It never reads the state, so no
+  program depends on another's writes. A per-group flag records which closing token it finished and
+  how many it left.
+- ``_state_pool_kernel``: every other closing token (decode, first block of a chunk, a second closing
+  token in one group, out-of-order batches) pools its window from the state, now complete
   (a later launch), and finishes it. When the first launch left nothing it only reads the flags.
 
 r = 4 pools in two passes over the 8 rows in registers; r = 128 streams its 128 rows in chunks of
@@ -63,17 +63,12 @@ def _splat(flag, like):
 
 
 @triton.jit
-def _store_flag(ptr, fast, closing, idx, COFF: tl.constexpr):
-    """Group flag (int8) for the second launch. ``closing`` [n] bool / int32 counts of the group's closing
-    tokens, ``fast``: one of them finished here. r = 4: bit 0 = finished, bits 1-2 = its index in the group
-    (``idx``), bits 3.. = closing tokens left; r = 128: bit 0 = finished (the group's last token), bits 1..
-    = closing tokens left."""
+def _store_flag(ptr, fast, closing, idx):
+    """Group flag (int32) for the second launch: bit 0 = one closing token finished here, bits 1-7 = its index
+    in the group (``idx`` < 128), bits 8.. = closing tokens left (``closing``: bool flags or int32 counts
+    of the group's closing tokens, summed)."""
     left = tl.sum(closing.to(tl.int32), 0) - fast.to(tl.int32)
-    if COFF == 2:
-        flag = fast.to(tl.int32) | (tl.where(fast, idx, 0) << 1) | (tl.minimum(left, 7) << 3)
-    else:
-        flag = fast.to(tl.int32) | (tl.minimum(left, 63) << 1)
-    tl.store(ptr, flag.to(tl.int8))
+    tl.store(ptr, fast.to(tl.int32) | (tl.where(fast, idx, 0) << 1) | (left << 8))
 
 
 @triton.jit
@@ -93,41 +88,58 @@ def _window_in_call(t_first, q, live, request, positions, token_request, slot_ma
 
 
 @triton.jit
-def _fast_check(t0, p, out, req, ok, positions, token_request, slot_mapping, out_slot_mapping, block_table,
-                stride_bt, state_block_size, num_tokens, RATIO: tl.constexpr, COFF: tl.constexpr):
-    """Group of G tokens from t0: (fast, pc, oc, tc, idx). r = 4 (G = r; p, out, req, ok [G]: the group's
-    positions, output slots, requests, validity, already loaded): tc = t0 + idx is the group's last token
-    that closes a block, at any index, so requests that start at unaligned token indices qualify; r = 128:
-    the group's last token. fast: that token closes a block and every row of the block's window is a
-    token of this call at its expected index (or a position < 0)."""
-    if COFF == 2:
-        j = tl.arange(0, RATIO)
-        idx = tl.max(tl.where(ok & (out >= 0) & ((p + 1) % RATIO == 0), j, -1), 0)
-        closes = idx >= 0
-        pc = tl.sum(tl.where(j == idx, p, 0), 0)
-        oc = tl.sum(tl.where(j == idx, out, 0), 0)
-        rc = tl.sum(tl.where(j == idx, req, 0), 0).to(tl.int64)  # no load that waits on idx
-        tc = t0 + tl.maximum(idx, 0)
-    else:
-        idx = RATIO - 1
-        tc = t0 + RATIO - 1
-        has_tc = tc < num_tokens
-        pc = tl.load(positions + tc, mask=has_tc, other=0)
-        oc = tl.load(out_slot_mapping + tc, mask=has_tc, other=-1)
-        closes = has_tc & (oc >= 0) & ((pc + 1) % RATIO == 0)
-        rc = tl.load(token_request + tc, mask=has_tc, other=0).to(tl.int64)
-    q_own = pc - RATIO + 1 + tl.arange(0, RATIO)
+def _pick_vector(t0, p, out, req, ok, RATIO: tl.constexpr):
+    """The group's (G = r tokens) last token that closes a block, at any index, from the group's loaded
+    positions, output slots, requests and validity [r]: (closes, tc, idx, pc, oc, rc); no load waits on the
+    choice."""
+    j = tl.arange(0, RATIO)
+    idx = tl.max(tl.where(ok & (out >= 0) & ((p + 1) % RATIO == 0), j, -1), 0)
+    pc = tl.sum(tl.where(j == idx, p, 0), 0)
+    oc = tl.sum(tl.where(j == idx, out, 0), 0)
+    rc = tl.sum(tl.where(j == idx, req, 0), 0).to(tl.int64)
+    return idx >= 0, t0 + tl.maximum(idx, 0), idx, pc, oc, rc
+
+
+@triton.jit
+def _pick_scalar(t0, num_tokens, positions, out_slot_mapping, token_request, G: tl.constexpr,
+                 RATIO: tl.constexpr):
+    """r = 128 (G = r, several warps, no cross-warp reductions): the candidate block of the group, found from the
+    group's last token t (position p): tc = t - (p + 1) % r, the token whose position closes a block if the
+    tokens from tc to t are one request's consecutive positions (the caller's window check verifies the rows).
+    Aligned groups (tc = t) read nothing more. Returns (closes, tc, idx, pc, oc, rc); ``closes`` is False
+    when tc holds no closing token (a request boundary inside the group)."""
+    t_last = tl.minimum(t0 + G - 1, num_tokens - 1)
+    p_last = tl.load(positions + t_last)
+    o_last = tl.load(out_slot_mapping + t_last)
+    r_last = tl.load(token_request + t_last)
+    tc = t_last - (p_last + 1) % RATIO
+    inside = (tc >= t0) & (tc <= t_last)
+    other = inside & (tc != t_last)
+    pc = tl.where(other, tl.load(positions + tc, mask=other, other=0), p_last)
+    oc = tl.where(other, tl.load(out_slot_mapping + tc, mask=other, other=-1), o_last)
+    rc = tl.where(other, tl.load(token_request + tc, mask=other, other=0), r_last).to(tl.int64)
+    closes = inside & (oc >= 0) & ((pc + 1) % RATIO == 0)
+    return closes, tc, (tc - t0).to(tl.int32), pc, oc, rc
+
+
+@triton.jit
+def _window_check(closes, tc, pc, rc, positions, token_request, slot_mapping, block_table, stride_bt,
+                  state_block_size, RATIO: tl.constexpr, COFF: tl.constexpr):
+    """fast: the block closing at token tc (position pc, request rc) has every row of its window held by a
+    token of this call at its expected index (or at a position < 0)."""
+    j = tl.arange(0, RATIO)
+    q_own = pc - RATIO + 1 + j
     own = _window_in_call(tc - RATIO + 1, q_own, _splat(closes, q_own) & (q_own >= 0), rc, positions,
                           token_request, slot_mapping, block_table, stride_bt, state_block_size, RATIO)
     fast = closes & (tl.sum(own.to(tl.int32), 0) == RATIO)
     if COFF == 2:
         # r = 4 overlap: positions pc-7..pc-4 (previous block) are tokens tc-7..tc-4 or before position 0.
-        q_prev = pc - 2 * RATIO + 1 + tl.arange(0, RATIO)
+        q_prev = pc - 2 * RATIO + 1 + j
         prev_live = _splat(closes, q_prev) & (q_prev >= 0)
         prev = _window_in_call(tc - 2 * RATIO + 1, q_prev, prev_live, rc, positions, token_request, slot_mapping,
                                block_table, stride_bt, state_block_size, RATIO)
         fast = fast & (tl.sum((prev_live & ~prev).to(tl.int32), 0) == 0)
-    return fast, pc, oc, tc, idx
+    return fast
 
 
 @triton.jit
@@ -168,10 +180,10 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
         if EARLY:
             tl.debug_barrier()  # keeps the compiler from sinking the loads above below the window check
         if FUSE:
-            fast, pc, oc, tc, idx = _fast_check(t0, p, out, req, ok, positions, token_request, slot_mapping,
-                                                out_slot_mapping, block_table, stride_bt, state_block_size,
-                                                num_tokens, RATIO, COFF)
-            _store_flag(fused + group, fast, ok & (out >= 0) & ((p + 1) % RATIO == 0), idx, COFF)
+            closes, tc, idx, pc, oc, rc = _pick_vector(t0, p, out, req, ok, RATIO)
+            fast = _window_check(closes, tc, pc, rc, positions, token_request, slot_mapping, block_table, stride_bt,
+                                 state_block_size, RATIO, COFF)
+            _store_flag(fused + group, fast, ok & (out >= 0) & ((p + 1) % RATIO == 0), idx)
         save = (ok & (slot >= 0))[:, None]
         dst = state + slot[:, None] * (2 * HALF) + cols[None, :]
         ape_row = ape + (p % RATIO)[:, None] * stride_ape + cols[None, :]
@@ -222,12 +234,20 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                         scale_offset, scale_stride, RATIO, D, NOPE, ROPE, QBLOCK, SCALE_ROW, FP8, OUT_KIND,
                         DEEPSEEK_ROUNDING, HADAMARD, HAD_A)
     else:
-        # r = 128: row = [kv | sc]; the G rows in chunks of R, pooled online on the way (used if fast).
+        # r = 128: row = [kv | sc]; the G rows in chunks of R, pooled online on the way (used if the group is the
+        # block); a block of a request that starts at an unaligned token index is pooled in a second pass.
         t0 = tl.program_id(0).to(tl.int64) * G
         if FUSE:
-            fast, pc, oc, tc, idx = _fast_check(t0, t0, t0, t0, t0, positions, token_request, slot_mapping,
-                                                out_slot_mapping, block_table, stride_bt, state_block_size,
-                                                num_tokens, RATIO, COFF)
+            closes, tc, idx, pc, oc, rc = _pick_scalar(t0, num_tokens, positions, out_slot_mapping, token_request,
+                                                       G, RATIO)
+            if not closes:  # a request boundary inside the group: search all G tokens (cross-warp reductions)
+                tg = t0 + tl.arange(0, G)
+                ok_g = tg < num_tokens
+                closes, tc, idx, pc, oc, rc = _pick_vector(
+                    t0, tl.load(positions + tg, mask=ok_g, other=0), tl.load(out_slot_mapping + tg, mask=ok_g, other=-1),
+                    tl.load(token_request + tg, mask=ok_g, other=-1), ok_g, RATIO)
+            fast = _window_check(closes, tc, pc, rc, positions, token_request, slot_mapping, block_table, stride_bt,
+                                 state_block_size, RATIO, COFF)
             closing = tl.zeros((R,), tl.int32)
             m = tl.full((D,), float("-inf"), tl.float32)
             s = tl.zeros((D,), tl.float32)
@@ -250,9 +270,18 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                 out = tl.load(out_slot_mapping + t, mask=ok, other=-1)
                 closing += (ok & (out >= 0) & ((p + 1) % RATIO == 0)).to(tl.int32)
         if FUSE:
-            _store_flag(fused + tl.program_id(0), fast, closing, idx, COFF)
+            _store_flag(fused + tl.program_id(0), fast, closing, idx)
         if FUSE:  # noqa: SIM102 - a compile-time guard (fast, pc, oc exist only when FUSE)
             if fast:
+                if idx != G - 1:  # the block is tokens tc-127..tc (this call): re-read them from kv_score (L2)
+                    m = tl.full((D,), float("-inf"), tl.float32)
+                    s = tl.zeros((D,), tl.float32)
+                    acc = tl.zeros((D,), tl.float32)
+                    for i in range(G // R):
+                        k = i * R + tl.arange(0, R)  # row k of the block: APE phase k
+                        src = kv_score + (tc - G + 1 + k)[:, None] * stride_t + cols[None, :]
+                        sc = tl.load(src + D) + tl.load(ape + k[:, None] * stride_ape + cols[None, :])
+                        m, s, acc = _online(m, s, acc, tl.load(src), sc)
                 _finish(tl.div_rn(acc, s), pc, oc, norm_weight, cos_sin, stride_cs, hadamard, hadamard_scale, eps,
                         u8_ptr, bf16_ptr, block_size, page_stride, token_stride, nope_offset, rope_offset,
                         scale_offset, scale_stride, RATIO, D, NOPE, ROPE, QBLOCK, SCALE_ROW, FP8, OUT_KIND,
@@ -283,13 +312,9 @@ def _state_pool_kernel(positions, token_request, out_slot_mapping, state, block_
     if FUSE_G > 0:
         # The first launch's group flags (_store_flag) say whether any closing token is left (one load, no
         # positions) and which one the first launch finished.
-        flag = tl.load(fused + t // FUSE_G, mask=ok, other=0).to(tl.int32)
-        if COFF == 2:
-            left = tl.sum(flag >> 3, 0)
-            done = ((flag & 1) != 0) & (t % FUSE_G == ((flag >> 1) & 3))
-        else:
-            left = tl.sum(flag >> 1, 0)
-            done = ((flag & 1) != 0) & (t % FUSE_G == FUSE_G - 1)
+        flag = tl.load(fused + t // FUSE_G, mask=ok, other=0)
+        left = tl.sum(flag >> 8, 0)
+        done = ((flag & 1) != 0) & (t % FUSE_G == ((flag >> 1) & 127))
     else:
         left = 1
     todo = t < 0
@@ -389,7 +414,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         nope, qblock, scale_row = head_dim - rope_dim, out_layout.quant_block, 1
     use_hadamard = hadamard is not None
     programs = triton.cdiv(num_tokens, group)
-    fused = torch.empty((programs if fuse else 1,), dtype=torch.int8, device=kv_score.device)
+    fused = torch.empty((programs if fuse else 1,), dtype=torch.int32, device=kv_score.device)
     finish_args = (norm_weight, cos_sin, cos_sin.stride(0), hadamard if use_hadamard else norm_weight,
                    head_dim ** -0.5, eps, u8, bf16, *args)
     finish_meta = {"NOPE": nope, "ROPE": rope_dim, "QBLOCK": qblock, "SCALE_ROW": scale_row, "FP8": fp8,

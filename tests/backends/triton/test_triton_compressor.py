@@ -183,25 +183,25 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
 
 
 
-@pytest.mark.parametrize("ratio,head_dim,out_format,profile", [
-    (4, 512, "fp8_ds_mla", "deepseek"),
-    (4, 128, "indexer_mxfp4", "deepseek"),
+@pytest.mark.parametrize("ratio,head_dim,out_format,profile,lengths", [
+    (4, 512, "fp8_ds_mla", "deepseek", [13, 22, 9, 30]),  # token offsets 0, 13, 35, 44
+    (4, 128, "indexer_mxfp4", "deepseek", [13, 22, 9, 30]),
+    (128, 512, "fp8_ds_mla", "vllm", [300, 270, 141]),  # token offsets 0, 300, 570
 ])
 def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_dim: int, out_format: str,
-                                                  profile: str) -> None:
+                                                  profile: str, lengths: list[int]) -> None:
     """Several requests prefilled from position 0 in one call, packed back to back, so most start at token
     indices that are not multiples of r: every block's window is in the call, so the first launch alone
-    (second launch switched off) must write every compressed row, equal to the reference's."""
+    (fused, second launch switched off) must write every compressed row, equal to the reference's."""
     import functools
 
     from dsv4.backends.triton import compressor
 
     monkeypatch.setattr(compressor, "compress_insert", functools.partial(compressor.compress_insert,
-                                                                         _second=False))
+                                                                         _fuse=True, _second=False))
     coff = 2 if ratio == 4 else 1
     width = 2 * coff * head_dim
     state_block, out_block = 16, 4
-    lengths = [13, 22, 9, 30]  # token offsets 0, 13, 35, 44: three of four requests unaligned
     pages = max(lengths) // state_block + 2
     table = torch.randperm(len(lengths) * pages).view(len(lengths), pages).to(torch.int32)
     out_pages = max(lengths) // ratio // out_block + 1
@@ -214,7 +214,7 @@ def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_
     out_slots = torch.where((positions + 1) % ratio == 0,
                             out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
     kv_score = torch.randn(positions.numel(), width) * 2
-    ape, weight, cos_sin = torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(512)
+    ape, weight, cos_sin = torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(1024)
     state = torch.randn(len(lengths) * pages, state_block, width)
     out_cache = poisoned_like(get_codec(out_format).allocate(len(lengths) * out_pages, out_block))
     ref_state, ref_out = state.clone(), out_cache.clone()
