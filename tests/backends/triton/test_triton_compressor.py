@@ -24,6 +24,17 @@ CASES = [  # (ratio, head_dim, out_format, profile)
 ]
 
 
+def _slots(positions, token_request, table, state_block, out_table, out_block, ratio):
+    """(state_slots, out_slots) int64 of a call's tokens: every token's state row, and the compressed-cache
+    slot of each token that closes a block (-1 elsewhere), through the requests' page tables."""
+    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+        + positions % state_block
+    entry = positions // ratio
+    out_slots = torch.where((positions + 1) % ratio == 0,
+                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    return state_slots, out_slots.to(torch.int64)
+
+
 def _run_steps(backend_fn, steps, state, out_cache, common) -> None:
     for step in steps:
         backend_fn(step["kv_score"], step["positions"], step["token_request"], state, common["table"],
@@ -55,12 +66,7 @@ def test_chunked_prefill_then_decode(ratio: int, head_dim: int, out_format: str,
             done[r] += n
         positions = torch.tensor(pos, dtype=torch.int64)
         token_request = torch.tensor(req, dtype=torch.int32)
-        state_slots = table[token_request.long(), positions // state_block].long() * state_block \
-            + positions % state_block
-        closes = (positions + 1) % ratio == 0
-        entry = positions // ratio
-        out_slots = out_table[token_request.long(), entry // out_block] * out_block + entry % out_block
-        out_slots = torch.where(closes, out_slots, -1).to(torch.int64)
+        state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
         steps.append({"kv_score": torch.randn(len(pos), width) * 2, "positions": positions,
                       "token_request": token_request, "state_slots": state_slots, "out_slots": out_slots})
     common = {"table": table, "ape": torch.randn(ratio, coff * head_dim), "ratio": ratio, "head_dim": head_dim,
@@ -98,11 +104,7 @@ def test_token_order(ratio: int, head_dim: int, out_format: str, profile: str, o
     out_table = torch.randperm(2 * out_pages).view(2, out_pages)
     positions = torch.arange(length).repeat(2)
     token_request = torch.arange(2, dtype=torch.int32).repeat_interleave(length)
-    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
-        + positions % state_block
-    entry = positions // ratio
-    out_slots = torch.where((positions + 1) % ratio == 0,
-                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
     perm = torch.arange(2 * length)
     if order == "reversed":
         perm = perm.flip(0)
@@ -167,12 +169,7 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
         positions = torch.cat([torch.arange(cuts[r][step], cuts[r][step + 1]) for r in range(2)])
         token_request = torch.cat([torch.full((cuts[r][step + 1] - cuts[r][step],), r, dtype=torch.int32)
                                    for r in range(2)])
-        state_slots = table[token_request.long(), positions // state_block].long() * state_block \
-            + positions % state_block
-        entry = positions // ratio
-        out_slots = torch.where((positions + 1) % ratio == 0,
-                                out_table[token_request.long(), entry // out_block] * out_block + entry % out_block,
-                                -1)
+        state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
         written.append(out_slots[out_slots >= 0])
         kv_score = torch.randn(positions.numel(), width) * 2
         args = (kv_score, positions, token_request)
@@ -210,11 +207,7 @@ def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_
     out_table = torch.randperm(len(lengths) * out_pages).view(len(lengths), out_pages)
     positions = torch.cat([torch.arange(n) for n in lengths])
     token_request = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(lengths)])
-    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
-        + positions % state_block
-    entry = positions // ratio
-    out_slots = torch.where((positions + 1) % ratio == 0,
-                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
     kv_score = torch.randn(positions.numel(), width) * 2
     ape, weight, cos_sin = torch.randn(ratio, coff * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(1024)
     state = torch.randn(len(lengths) * pages, state_block, width)
@@ -265,12 +258,7 @@ def test_packed_chunked_batches_match_reference(data, ratio: int, pool_group: in
     for call in spans:
         positions = torch.cat([torch.arange(a, b) for a, b in call])
         token_request = torch.cat([torch.full((b - a,), r, dtype=torch.int32) for r, (a, b) in enumerate(call)])
-        state_slots = table[token_request.long(), positions // state_block].long() * state_block \
-            + positions % state_block
-        entry = positions // ratio
-        out_slots = torch.where((positions + 1) % ratio == 0,
-                                out_table[token_request.long(), entry // out_block] * out_block + entry % out_block,
-                                -1)
+        state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
         written.append(out_slots[out_slots >= 0])
         args = (torch.randn(positions.numel(), width) * 2, positions, token_request)
         with pytest.MonkeyPatch.context() as mp:
