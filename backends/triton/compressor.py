@@ -26,14 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4.backends.triton._common import INTERPRET, device_facts, gdc_launch_dependents, gdc_wait, next_pow2
-from dsv4.backends.triton.compressor_finish import (
-    OUT_KEY_FP8,
-    OUT_KEY_MXFP4,
-    OUT_LATENT,
-    _e2m1_code,  # noqa: F401 - re-exported for the tests
-    _finish,
-    _sylvester,  # noqa: F401 - re-exported for the tests
-)
+from dsv4.backends.triton.compressor_finish import OUT_KEY_FP8, OUT_KEY_MXFP4, OUT_LATENT, _finish
 from dsv4.backends.triton.layout import KeyLayout, LatentLayout
 
 __all__ = ["compress_insert"]

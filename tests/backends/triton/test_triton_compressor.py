@@ -9,7 +9,7 @@ from _triton_helpers import assert_cache_equivalent, assert_close, cos_sin_table
 from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
 from dsv4.backends.triton._common import fp4_code, simulate_fp4
-from dsv4.backends.triton.compressor import _e2m1_code, _sylvester
+from dsv4.backends.triton.compressor_finish import _e2m1_code, _sylvester
 from dsv4.codecs import get_codec
 from dsv4.hadamard import hadamard_matrix
 from hypothesis import given, settings
