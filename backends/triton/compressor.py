@@ -147,8 +147,9 @@ def _save_fuse_kernel(kv_score, stride_t, positions, token_request, slot_mapping
                       QBLOCK: tl.constexpr, SCALE_ROW: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr,
                       DEEPSEEK_ROUNDING: tl.constexpr, HADAMARD: tl.constexpr, HAD_A: tl.constexpr):
     """Program g: the G tokens from g*G. Saves their state rows [kv | score + ape[p % r]] (SPEC §5.1); with
-    FUSE (G = r) also pools + finishes the group's block when ``_fast_check`` says its window is all in
-    this call, and writes ``fused[g]`` (``_store_flag``: finished here, closing tokens left)."""
+    FUSE (G = r) also pools + finishes the block closing at the group's last closing token (``_pick_vector``
+    / ``_pick_scalar``, any index in the group) when ``_window_check`` finds its whole window in this call,
+    and writes ``fused[g]`` (``_store_flag``: which token it finished, closing tokens left)."""
     HALF: tl.constexpr = COFF * D
     cols = tl.arange(0, D)
     if PDL:
