@@ -199,8 +199,11 @@ def _compress_insert(case: Case, g: torch.Generator) -> Prepared:
         args = (kv_score, torch.tensor(pos, dtype=torch.int64), torch.tensor(req, dtype=torch.int32),
                 state_cache, state_table, torch.tensor(state_slots, dtype=torch.int64), ape, norm_weight,
                 cos_sin, out_cache, torch.tensor(out_slots, dtype=torch.int64))
+        # the host promise of StepMetadata.windows_in_step: True on the fresh first step, so every backend
+        # is held to the same result with and without it
+        in_call = all(rng.start == 0 or not any((p + 1) % ratio == 0 for p in rng) for rng in per_request)
         kwargs = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": case.profile,
-                  "eps": cfg.rms_norm_eps}
+                  "eps": cfg.rms_norm_eps, "windows_in_call": in_call}
         steps.append((args, kwargs))
     return Prepared(case, steps, caches={"state_cache": (3, None), "out_cache": (9, out_format)})
 

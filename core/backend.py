@@ -296,8 +296,11 @@ class Backend:
                         state_cache: torch.Tensor, state_block_table: torch.Tensor,
                         state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                         cos_sin: torch.Tensor, out_cache: torch.Tensor, out_slot_mapping: torch.Tensor,
-                        *, ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
-        """kv_score [T, 2*coff*d] fp32: save state, compress closed blocks into ``out_cache`` (SPEC §5)."""
+                        *, ratio: int, head_dim: int, out_format: str, profile: str, eps: float,
+                        windows_in_call: bool = False) -> None:
+        """kv_score [T, 2*coff*d] fp32: save state, compress closed blocks into ``out_cache`` (SPEC §5).
+        ``windows_in_call``: a host-side promise that no closing block reads state of an earlier call
+        (``dsv4.ops.compress_insert``); a backend may ignore it, never change its result."""
         raise self._missing("compress_insert")
 
     def indexer_q(self, index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,

@@ -356,6 +356,7 @@ class PagedKVCache:
             swa_indices=to_dev(swa_indices, torch.int32),
             swa_lens=to_dev(swa_lens, torch.int32),
             ratios=ratios,
+            context_lens=tuple(starts),
         )
 
     def check_profile(self, profile: str) -> None:

@@ -263,7 +263,8 @@ class Attention(nn.Module):
             idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state, rm.state.block_table,
             rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight, self.cos_sin, lc.indexer_keys,
             rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim, out_format=key_format,
-            profile=self.profile, eps=cfg.rms_norm_eps, backend=be["compress_insert"])
+            profile=self.profile, eps=cfg.rms_norm_eps, windows_in_call=md.windows_in_step(4),
+            backend=be["compress_insert"])
         if hi == lo:
             return None, None
         positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
@@ -315,7 +316,7 @@ class Attention(nn.Module):
                     rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
                     lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
                     out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
-                    backend=be["compress_insert"])
+                    windows_in_call=md.windows_in_step(self.kind.ratio), backend=be["compress_insert"])
             if self.indexer is None:  # HCA: every visible compressed entry
                 extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
             else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)

@@ -72,7 +72,8 @@ class StepMetadata:
     swa_slot_mapping: ``[T]`` int64. swa_indices: ``[T, window]`` int32 global SWA slots of
     positions ``max(0, p-window+1) .. p`` (-1 padded). swa_lens: ``[T]`` int32.
     ratios: per compress ratio present in the cache. query_lens, max_seq_len: host-side copies
-    (no device sync needed to size tables).
+    (no device sync needed to size tables). context_lens: host-side tokens of each request before
+    this step (``seq_len - query_len``), or None where the builder did not give them.
     """
 
     request_ids: tuple
@@ -87,10 +88,21 @@ class StepMetadata:
     swa_indices: torch.Tensor
     swa_lens: torch.Tensor
     ratios: dict[int, RatioMetadata] = field(default_factory=dict)
+    context_lens: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def windows_in_step(self, ratio: int) -> bool:
+        """Host-side, no device sync: True when every request with a block closing in this step (a new
+        position p with ``(p+1) % ratio == 0``) starts at position 0 in it, so every closing block's
+        window (SPEC §5.2) is tokens of this step or positions < 0: the ``windows_in_call`` promise of
+        ``compress_insert``. False when ``context_lens`` is unknown."""
+        if self.context_lens is None:
+            return False
+        # blocks closing at new positions [c, c+n): (c+n)//r - c//r of them
+        return all(c == 0 or (c + n) // ratio == c // ratio for c, n in zip(self.context_lens, self.query_lens))
 
     @property
     def is_decode_only(self) -> bool:

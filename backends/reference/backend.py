@@ -42,11 +42,13 @@ class ReferenceBackend(Backend):
 
     def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
                         state_slot_mapping, ape, norm_weight, cos_sin, out_cache, out_slot_mapping, *,
-                        ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
+                        ratio: int, head_dim: int, out_format: str, profile: str, eps: float,
+                        windows_in_call: bool = False) -> None:
         _reference().compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
                                      state_slot_mapping, ape, norm_weight, cos_sin, out_cache,
                                      out_slot_mapping, ratio=ratio, head_dim=head_dim,
-                                     out_format=out_format, profile=profile, eps=eps)
+                                     out_format=out_format, profile=profile, eps=eps,
+                                     windows_in_call=windows_in_call)
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
         return _reference().indexer_q(index_q, weights, positions, cos_sin, profile=profile)

@@ -53,6 +53,11 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
         _HADAMARD[key] = hadamard_matrix(dim, torch.float32, device)
     return _HADAMARD[key]
 
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (host query, no sync)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
 class TritonBackend(Backend):
     """Every op of ARCHITECTURE §3 in Triton (GPU, or CPU under ``TRITON_INTERPRET=1``)."""
 
@@ -99,8 +104,12 @@ class TritonBackend(Backend):
 
     def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
                         state_slot_mapping, ape, norm_weight, cos_sin, out_cache, out_slot_mapping, *,
-                        ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
-        """kv_score [T, 2*coff*d] fp32 -> state rows and compressed cache rows (SPEC §5)."""
+                        ratio: int, head_dim: int, out_format: str, profile: str, eps: float,
+                        windows_in_call: bool = False) -> None:
+        """kv_score [T, 2*coff*d] fp32 -> state rows and compressed cache rows (SPEC §5). windows_in_call
+        (host promise, ``dsv4.ops.compress_insert``) lets the first launch's blocks stand alone: no
+        state-pool launch where it pools (outside CUDA-graph capture, which must not bake in a per-step
+        host decision)."""
         from dsv4.backends.triton import compressor
 
         if ratio not in (4, 128):
@@ -147,7 +156,8 @@ class TritonBackend(Backend):
                                    state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
                                    out_slot_mapping, ratio=ratio, head_dim=head_dim,
                                    deepseek_rounding=numerics.compressor_rounding == "deepseek",
-                                   hadamard=hadamard, rope_dim=rope_dim, eps=float(eps))
+                                   hadamard=hadamard, rope_dim=rope_dim, eps=float(eps),
+                                   windows_in_call=bool(windows_in_call) and not _capturing(kv_score))
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
         """index_q [T,64,128] bf16, weights [T,64] -> (q [T,64,128] bf16, w [T,64] fp32) (SPEC §6.1-6.2)."""

@@ -371,7 +371,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     hadamard: torch.Tensor | None, rope_dim: int, eps: float, _fuse: bool | None = None,
                     _rows: int | None = None, _warps: int | None = None, _pool_group: int | None = None,
                     _pool_warps: int | None = None, _save_only: bool = False, _second: bool = True,
-                    _early: bool | None = None, _pdl: bool | None = None) -> None:
+                    _early: bool | None = None, _pdl: bool | None = None, windows_in_call: bool = False) -> None:
     """Launch. kv_score [T, 2*coff*d] fp32; state_cache fp32 [nb, bs, 2*coff*d]; see ARCHITECTURE §3.2.
 
     Tuning (benchmarks and tests; defaults from the H200 sweep in docs/triton.md): ``_fuse`` forces the
@@ -384,6 +384,10 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     built in registers. ``_pdl`` (default: on where supported, NVIDIA sm_90+) launches both kernels with
     programmatic dependent launch: each waits (griddepcontrol.wait) for the previous kernel's writes before
     its first access, so results are unchanged; the launch latency overlaps the previous kernel's tail.
+    ``windows_in_call`` (the caller's promise that every closing block's window is tokens of this call or
+    positions < 0, with each request's tokens consecutive in position order: then at most one token a
+    group closes and the first launch's window check passes for it) skips the second launch when the
+    first one pools (``fuse``): a fresh prefill batch then costs one launch.
     """
     num_tokens = kv_score.shape[0]
     if num_tokens == 0:
@@ -425,7 +429,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], fused, num_tokens,
         *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse,
         EARLY=head_dim == 128 if _early is None else _early, PDL=pdl, **finish_meta, **warps, **launch)
-    if _save_only or not _second:
+    if _save_only or not _second or (fuse and windows_in_call):
         return
     # Second launch: one token a program for small batches (decode); groups of 16 for large ones, where
     # most programs only read the flags and exit (wider groups serialise unaligned requests' blocks).

@@ -61,9 +61,15 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     state_cache: torch.Tensor, state_block_table: torch.Tensor, state_slot_mapping: torch.Tensor,
                     ape: torch.Tensor, norm_weight: torch.Tensor, cos_sin: torch.Tensor, out_cache: torch.Tensor,
                     out_slot_mapping: torch.Tensor, *, ratio: int, head_dim: int, out_format: str, profile: str,
-                    eps: float, backend: BackendArg = "auto") -> None:
+                    eps: float, windows_in_call: bool = False, backend: BackendArg = "auto") -> None:
     """SPEC §5. kv_score [T, 2*coff*d] fp32, state_cache fp32 [nb, bs, 2*coff*d], state_block_table
-    [R, mb] int32, slot mappings [T] int64, ape [r, coff*d] fp32, norm_weight [d] fp32."""
+    [R, mb] int32, slot mappings [T] int64, ape [r, coff*d] fp32, norm_weight [d] fp32.
+
+    windows_in_call: the caller's host-side promise that every block closing in this call has its whole
+    window among this call's tokens (each request with a closing token starts at position 0 here, its
+    tokens consecutive in position order, slot mappings derived from the block tables:
+    ``StepMetadata.windows_in_step``). The result is the same either way; a backend may skip work
+    (Triton: the state-pool launch, outside CUDA-graph capture). A false promise gives wrong blocks."""
     if ratio not in (4, 128):
         raise DSV4ValueError.of("ratio", "4 (CSA) or 128 (HCA)", ratio)
     width = 2 * (2 if ratio == 4 else 1) * head_dim  # SPEC §9.4: [kv (coff*d) | score (coff*d)]
@@ -90,7 +96,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
           (kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape, norm_weight,
            cos_sin, out_cache, out_slot_mapping),
           {"ratio": int(ratio), "head_dim": int(head_dim), "out_format": out_format, "profile": profile,
-           "eps": float(eps)})
+           "eps": float(eps), "windows_in_call": bool(windows_in_call)})
 
 
 def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,

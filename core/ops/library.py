@@ -63,16 +63,17 @@ def _(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, kv_format, eps, pr
 def compress_insert(kv_score: Tensor, positions: Tensor, token_request: Tensor, state_cache: Tensor,
                     state_block_table: Tensor, state_slot_mapping: Tensor, ape: Tensor, norm_weight: Tensor,
                     cos_sin: Tensor, out_cache: Tensor, out_slot_mapping: Tensor, ratio: int, head_dim: int,
-                    out_format: str, profile: str, eps: float, backend: str) -> None:
+                    out_format: str, profile: str, eps: float, windows_in_call: bool, backend: str) -> None:
     run_backend("compress_insert", backend,
                 (kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape,
                  norm_weight, cos_sin, out_cache, out_slot_mapping),
-                {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": eps})
+                {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": eps,
+                 "windows_in_call": windows_in_call})
 
 
 @compress_insert.register_fake
 def _(kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape, norm_weight,
-      cos_sin, out_cache, out_slot_mapping, ratio, head_dim, out_format, profile, eps, backend):
+      cos_sin, out_cache, out_slot_mapping, ratio, head_dim, out_format, profile, eps, windows_in_call, backend):
     return None
 
 

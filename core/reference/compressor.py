@@ -91,7 +91,8 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
                     state_cache: torch.Tensor, state_block_table: torch.Tensor,
                     state_slot_mapping: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
                     cos_sin: torch.Tensor, out_cache: torch.Tensor, out_slot_mapping: torch.Tensor, *,
-                    ratio: int, head_dim: int, out_format: str, profile: str, eps: float) -> None:
+                    ratio: int, head_dim: int, out_format: str, profile: str, eps: float,
+                    windows_in_call: bool = False) -> None:
     """Save compressor state for every token, then compress every block that closes (SPEC §5).
 
     Args:
@@ -106,6 +107,9 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         out_slot_mapping: ``[T]`` int64, slot of entry ``p // r`` where ``(p+1) % r == 0``, else -1.
         ratio: 4 or 128; head_dim: 512 (main) or 128 (indexer keys, ratio 4).
         profile: numerics profile name (SPEC §6.6); eps: RMSNorm epsilon.
+        windows_in_call: the caller's promise that no closing block's window reaches state of an
+            earlier call (``dsv4.ops.compress_insert``); a hint for fast paths, unused here: the
+            reference reads every window from the state.
 
     All state rows are written first, so a block closing in this call reads rows written by it
     and by earlier calls alike (SPEC §5.4). Rounding points (serving numerics):

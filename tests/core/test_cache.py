@@ -63,6 +63,28 @@ def test_mixed_step_metadata_is_what_the_formulas_say():
     assert r128.hca_indices.shape[1] % 128 == 0
 
 
+def test_windows_in_step_is_true_only_when_closing_requests_are_fresh():
+    """SPEC §5.2 windows: the host-side promise compress_insert may act on (no device sync)."""
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=400)
+    fresh = cache.plan_step([StepRequest("a", 300), StepRequest("b", 7)]).metadata
+    assert fresh.context_lens == (0, 0)
+    assert fresh.windows_in_step(4) and fresh.windows_in_step(128)
+    # a decode at 300 (closes no block at r = 4 or 128) beside a fresh prefill: still in the call
+    step = cache.plan_step([StepRequest("a", 1), StepRequest("c", 130)]).metadata
+    assert step.context_lens == (300, 0)
+    assert step.windows_in_step(4) and step.windows_in_step(128)
+    # a at 301..303: 303 closes an r = 4 block whose window starts at 296 (an earlier step); no r = 128 block
+    step = cache.plan_step([StepRequest("a", 3)]).metadata
+    assert not step.windows_in_step(4) and step.windows_in_step(128)
+    # b continues 7..129: closes r = 4 blocks and the r = 128 block at 127
+    step = cache.plan_step([StepRequest("b", 123)]).metadata
+    assert not step.windows_in_step(4) and not step.windows_in_step(128)
+    # metadata built elsewhere without host context lengths promises nothing
+    from dataclasses import replace
+
+    assert not replace(fresh, context_lens=None).windows_in_step(4)
+
+
 def test_sliding_groups_free_pages_outside_their_window():
     cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
     cache.plan_step([StepRequest("a", 1000)])

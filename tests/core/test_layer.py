@@ -56,6 +56,25 @@ def test_prefill_decodes_and_chunks_agree(layer_id):
                 assert verdict["passed"], (name, verdict)
 
 
+def test_layer_passes_the_windows_in_step_promise(monkeypatch):
+    """Each compress_insert call carries StepMetadata.windows_in_step: True on a fresh prefill and on a
+    decode that closes no block, False once a continuing request closes one (its window reaches back)."""
+    from dsv4 import ops
+
+    seen = []
+    real = ops.compress_insert
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["ratio"], kwargs["windows_in_call"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "compress_insert", spy)
+    attn = _layer(1)  # CSA: the main compressor and the indexer's, both r = 4
+    with torch.no_grad():
+        _run(attn, _x(129, torch.bfloat16), [5, 122, 1, 1])  # positions 0-4, 5-126, 127 (closes), 128
+    assert seen == [(4, True)] * 2 + [(4, False)] * 4 + [(4, True)] * 2
+
+
 def test_mixed_batch_equals_requests_run_alone():
     attn = _layer(2)
     xa, xb = _x(200, torch.bfloat16, 3), _x(140, torch.bfloat16, 4)

@@ -31,6 +31,7 @@ def test_wrappers_pass_every_argument_through():
     from dsv4 import reference
 
     prepared = prepare(Case("compress_insert", "csa", "vllm", "indexer_fp8", "indexer-multi-step"))
+    assert [kw["windows_in_call"] for _, kw in prepared.steps] == [True, False]  # the fresh first step's promise
     mine = execute(clone_prepared(prepared), ReferenceBackend().compress_insert)
     theirs = execute(clone_prepared(prepared), reference.compress_insert)
     for name in mine:

@@ -182,22 +182,36 @@ def test_fused_and_state_paths(monkeypatch, ratio: int, head_dim: int, out_forma
 
 
 
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the state-pool kernel was launched")
+
+
+@pytest.mark.parametrize("mode", ["second_off", "promise"])
 @pytest.mark.parametrize("ratio,head_dim,out_format,profile,lengths", [
     (4, 512, "fp8_ds_mla", "deepseek", [13, 22, 9, 30]),  # token offsets 0, 13, 35, 44
     (4, 128, "indexer_mxfp4", "deepseek", [13, 22, 9, 30]),
     (128, 512, "fp8_ds_mla", "vllm", [300, 270, 141]),  # token offsets 0, 300, 570
 ])
 def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_dim: int, out_format: str,
-                                                  profile: str, lengths: list[int]) -> None:
+                                                  profile: str, lengths: list[int], mode: str) -> None:
     """Several requests prefilled from position 0 in one call, packed back to back, so most start at token
     indices that are not multiples of r: every block's window is in the call, so the first launch alone
-    (fused, second launch switched off) must write every compressed row, equal to the reference's."""
+    (fused; second launch switched off, or skipped on the caller's ``windows_in_call`` promise, with the
+    state-pool kernel replaced by one that fails if launched) must write every compressed row, equal to
+    the reference's."""
     import functools
 
     from dsv4.backends.triton import compressor
 
-    monkeypatch.setattr(compressor, "compress_insert", functools.partial(compressor.compress_insert,
-                                                                         _fuse=True, _second=False))
+    if mode == "second_off":
+        ours = functools.partial(compressor.compress_insert, _fuse=True, _second=False)
+    else:
+        ours = functools.partial(compressor.compress_insert, _fuse=True)
+        monkeypatch.setattr(compressor, "_state_pool_kernel", _NoLaunch())
+    monkeypatch.setattr(compressor, "compress_insert", ours)
     coff = 2 if ratio == 4 else 1
     width = 2 * coff * head_dim
     state_block, out_block = 16, 4
@@ -215,11 +229,49 @@ def test_first_launch_finishes_unaligned_requests(monkeypatch, ratio: int, head_
     ref_state, ref_out = state.clone(), out_cache.clone()
     kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
     args = (kv_score, positions, token_request)
-    TritonBackend().compress_insert(*args, state, table, state_slots, ape, weight, cos_sin, out_cache, out_slots, **kw)
+    TritonBackend().compress_insert(*args, state, table, state_slots, ape, weight, cos_sin, out_cache, out_slots, **kw,
+                                    windows_in_call=mode == "promise")
     reference.compress_insert(*args, ref_state, table, state_slots, ape, weight, cos_sin, ref_out, out_slots, **kw)
     assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
     written = out_slots[out_slots >= 0]
     assert written.numel() == sum(n // ratio for n in lengths)
+    assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
+
+
+def test_promise_keeps_the_second_launch_where_the_first_does_not_pool(monkeypatch) -> None:
+    """r = 128 below 8192 tokens does not fuse: the first launch only saves, so the state-pool launch must
+    run even under the ``windows_in_call`` promise (a fresh two-request prefill; every block checked)."""
+    from dsv4.backends.triton import compressor
+
+    launched = []
+    real = compressor._state_pool_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(compressor, "_state_pool_kernel", _Spy())
+    lengths, ratio, head_dim, out_format = [260, 131], 128, 512, "bf16"
+    state_block, out_block = 16, 4
+    pages = max(lengths) // state_block + 2
+    table = torch.randperm(len(lengths) * pages).view(len(lengths), pages).to(torch.int32)
+    out_table = torch.randperm(len(lengths) * 2).view(len(lengths), 2)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    token_request = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(lengths)])
+    state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
+    args = (torch.randn(positions.numel(), 2 * head_dim) * 2, positions, token_request)
+    common = (torch.randn(ratio, head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(512))
+    state = torch.randn(len(lengths) * pages, state_block, 2 * head_dim)
+    out_cache = poisoned_like(get_codec(out_format).allocate(len(lengths) * 2, out_block))
+    ref_state, ref_out = state.clone(), out_cache.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": "vllm", "eps": 1e-6}
+    TritonBackend().compress_insert(*args, state, table, state_slots, *common, out_cache, out_slots, **kw,
+                                    windows_in_call=True)
+    reference.compress_insert(*args, ref_state, table, state_slots, *common, ref_out, out_slots, **kw)
+    assert len(launched) == 1
+    written = out_slots[out_slots >= 0]
+    assert written.numel() == 3
     assert_cache_equivalent("out_cache", out_format, out_cache, ref_out, written)
 
 
@@ -229,7 +281,7 @@ def test_packed_chunked_batches_match_reference(data, ratio: int, pool_group: in
     """Random packed batches: 2-3 requests, each prefilled over two calls cut at a random position (so chunks
     start at unaligned positions and token indices), then one decode call; the fused first launch forced
     on and a random second-launch group size, so blocks split between the launches in every way the group
-    flags must carry. r=4: indexer fp8 keys (d=128), r=128: bf16 rows (d=512), the fastest formats under
+    flags must carry; each call carries the ``windows_in_call`` promise where it holds (the first). r=4: indexer fp8 keys (d=128), r=128: bf16 rows (d=512), the fastest formats under
     the interpreter; against the reference: state exact, cache within one e4m3 ULP."""
     import functools
 
@@ -261,10 +313,12 @@ def test_packed_chunked_batches_match_reference(data, ratio: int, pool_group: in
         state_slots, out_slots = _slots(positions, token_request, table, state_block, out_table, out_block, ratio)
         written.append(out_slots[out_slots >= 0])
         args = (torch.randn(positions.numel(), width) * 2, positions, token_request)
+        # the promise StepMetadata.windows_in_step makes: each request with a closing position starts at 0
+        in_call = all(a == 0 or b // ratio == a // ratio for a, b in call)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(compressor, "compress_insert", ours)
             TritonBackend().compress_insert(*args, state, table, state_slots, ape, weight, cos_sin, out_cache,
-                                            out_slots, **kw)
+                                            out_slots, **kw, windows_in_call=in_call)
         reference.compress_insert(*args, ref_state, table, state_slots, ape, weight, cos_sin, ref_out, out_slots,
                                   **kw)
     assert_close("state_cache", state, ref_state, "compress_insert", "state_cache", abs_tol=1e-6, rel_tol=2 ** -22)
