@@ -244,50 +244,62 @@ def bench_sparse_prefill(ceil: dict[str, float], heads: int, topk: int, s_q: int
     return _fractions(row, ceil)
 
 
+def packed_compressor_batch(lengths: list[int], ratio: int, head_dim: int, out_format: str, device: str,
+                            block: int = 64) -> dict[str, Any]:
+    """Fresh requests of ``lengths`` tokens packed back to back (positions from 0) on shuffled state and
+    output pages of ``block`` rows: every input of one ``compress_insert`` call except kv_score (``width``
+    fp32 columns); state rows random, out cache random bytes."""
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * head_dim
+    n = len(lengths)
+    pages = max(lengths) // block + 1
+    out_pages = max(lengths) // ratio // block + 1
+    table = torch.randperm(n * pages, device=device).to(torch.int32).view(n, pages)
+    out_table = torch.randperm(n * out_pages, device=device).view(n, out_pages)
+    positions = torch.cat([torch.arange(k, device=device) for k in lengths])
+    token_request = torch.cat([torch.full((k,), r, dtype=torch.int32, device=device) for r, k in enumerate(lengths)])
+    rows, entry = token_request.long(), positions // ratio
+    out_cache = get_codec(out_format).allocate(n * out_pages, block, device=device)
+    out_cache.view(torch.uint8).random_(0, 256)
+    return {
+        "width": width, "positions": positions, "token_request": token_request, "table": table,
+        "state": torch.randn(n * pages, block, width, device=device),
+        "state_slots": table.long()[rows, positions // block] * block + positions % block,
+        "ape": torch.randn(ratio, coff * head_dim, device=device),
+        "weight": torch.rand(head_dim, device=device) + 0.5, "cos_sin": _cos_sin(max(lengths), device),
+        "out_cache": out_cache,
+        "out_slots": torch.where((positions + 1) % ratio == 0,
+                                 out_table[rows, entry // block] * block + entry % block, -1),
+    }
+
+
 def bench_compressor(ceil: dict[str, float], num_tokens: int = 32768, ratio: int = 4, head_dim: int = 512,
                      out_format: str = "fp8_ds_mla", profile: str = "deepseek", device: str = "cuda",
                      lengths: list[int] | None = None) -> dict:
     """One fresh prefill of ``num_tokens``, or ``lengths``: fresh requests packed back to back."""
+    from dsv4.backends.triton import compressor as triton_compressor
+    from dsv4.backends.triton.backend import compressor_launch_args
+
     backend = TritonBackend()
-    coff = 2 if ratio == 4 else 1
-    width = 2 * coff * head_dim
     lengths = lengths or [num_tokens]
     num_tokens, n = sum(lengths), len(lengths)
-    state_block = out_block = 64
-    pages = max(lengths) // state_block + 1
-    state = torch.empty(n * pages, state_block, width, device=device)
-    table = torch.randperm(n * pages, device=device).to(torch.int32).view(n, pages)
-    positions = torch.cat([torch.arange(k, device=device) for k in lengths])
-    token_request = torch.cat([torch.full((k,), r, dtype=torch.int32, device=device) for r, k in enumerate(lengths)])
-    rows = token_request.long()
-    state_slots = table.long()[rows, positions // state_block] * state_block + positions % state_block
-    codec = get_codec(out_format)
-    out_pages = max(lengths) // ratio // out_block + 1
-    out_cache = codec.allocate(n * out_pages, out_block, device=device)
-    out_table = torch.randperm(n * out_pages, device=device).view(n, out_pages)
-    entry = positions // ratio
-    out_slots = torch.where((positions + 1) % ratio == 0,
-                            out_table[rows, entry // out_block] * out_block + entry % out_block, -1)
-    kv_scores = [torch.randn(num_tokens, width, device=device) for _ in range(2)]
-    ape = torch.randn(ratio, coff * head_dim, device=device)
-    weight = torch.rand(head_dim, device=device) + 0.5
-    cos_sin = _cos_sin(max(lengths), device)
+    b = packed_compressor_batch(lengths, ratio, head_dim, out_format, device)
+    kv_scores = [torch.randn(num_tokens, b["width"], device=device) for _ in range(2)]
+    common = (b["positions"], b["token_request"], b["state"], b["table"], b["state_slots"], b["ape"], b["weight"],
+              b["cos_sin"], b["out_cache"])
 
     def call(i: int, promise: bool):
-        backend.compress_insert(kv_scores[i], positions, token_request, state, table, state_slots, ape, weight,
-                                cos_sin, out_cache, out_slots, ratio=ratio, head_dim=head_dim,
+        backend.compress_insert(kv_scores[i], *common, b["out_slots"], ratio=ratio, head_dim=head_dim,
                                 out_format=out_format, profile=profile, eps=1e-6, windows_in_call=promise)
 
     # A fresh prefill: the layer passes StepMetadata.windows_in_step (True here), which the Triton backend
     # honours outside graph capture only, so the graph is captured on the bare first launch (what an eager
     # call runs); the two-launch path (what a continuing chunk of this size runs) is timed beside it.
-    from dsv4.backends.triton import compressor as triton_compressor
-
-    layout, kernel_kw = _triton_compressor_args(out_cache, out_format, head_dim, profile, device)
+    layout, kernel_kw = compressor_launch_args(b["out_cache"], out_format, head_dim, profile, b["cos_sin"],
+                                               torch.device(device))
 
     def fresh(i: int):
-        triton_compressor.compress_insert(kv_scores[i], positions, token_request, state, table, state_slots, ape,
-                                          weight, cos_sin, out_cache, layout, out_slots, ratio=ratio,
+        triton_compressor.compress_insert(kv_scores[i], *common, layout, b["out_slots"], ratio=ratio,
                                           head_dim=head_dim, eps=1e-6, windows_in_call=True, **kernel_kw)
 
     ms = time_cuda(lambda i: call(i, True), iters=10, warmup=2, rotations=2)
@@ -295,29 +307,12 @@ def bench_compressor(ceil: dict[str, float], num_tokens: int = 32768, ratio: int
     graph_two = time_cuda_graph(lambda i: call(i, False), rotations=2, reps=10)
     # Floor bytes: kv_score read once + state rows written once + compressed cache rows written once
     # (every window row is in this call, so no state row is read; docs/triton.md "Compressor").
-    floor_bytes = 2 * num_tokens * width * 4 + (num_tokens // ratio) * get_format(out_format).token_bytes
+    floor_bytes = 2 * num_tokens * b["width"] * 4 + (num_tokens // ratio) * get_format(out_format).token_bytes
     shape = f"T={num_tokens}" if n == 1 else f"{n} packed fresh requests T={num_tokens}"
     row = {"name": f"compressor r={ratio} d={head_dim} {out_format} {shape}", "ms": ms,
            "graph_ms": graph_ms, "gbs": floor_bytes / graph_ms / 1e6, "two_launch_graph_ms": graph_two,
            "two_launch_frac_copy_bw": floor_bytes / graph_two / 1e6 / ceil["copy_gbs"]}
     return _fractions(row, ceil)
-
-
-def _triton_compressor_args(out_cache: torch.Tensor, out_format: str, head_dim: int, profile: str,
-                            device: str) -> tuple[Any, dict[str, Any]]:
-    """(layout, kernel keywords) as ``TritonBackend.compress_insert`` derives them (cos_sin of 64 columns)."""
-    from dsv4.backends.triton.backend import _hadamard
-    from dsv4.backends.triton.layout import key_layout, latent_layout
-    from dsv4.specs.numerics import get_profile
-
-    numerics = get_profile(profile)
-    kw = {"deepseek_rounding": numerics.compressor_rounding == "deepseek", "hadamard": None, "rope_dim": 64}
-    if out_format.startswith("indexer_"):
-        if numerics.indexer_hadamard:
-            kw["hadamard"] = _hadamard(head_dim, torch.device(device))
-        return key_layout(out_format, out_cache, "out_cache"), kw
-    layout = latent_layout(out_format, out_cache, "out_cache")
-    return layout, {**kw, "rope_dim": layout.rope_dim}
 
 
 def _cos_sin(num_positions: int, device: str) -> torch.Tensor:

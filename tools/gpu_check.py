@@ -182,32 +182,15 @@ def chk_compressor_promise(ratio: int, head_dim: int, out_format: str, profile: 
     mxfp4 keys skip the reference: over thousands of blocks one pooled value on an FP4 rounding midpoint
     flips with any last-bit difference from torch (docs/triton.md, third round); chk_compressor holds them
     to it on 256 blocks, and the promise changes which launch pools a block, not its arithmetic."""
-    coff = 2 if ratio == 4 else 1
-    width = 2 * coff * head_dim
-    sb, ob = 64, 64
-    n = len(lengths)
-    pages = max(lengths) // sb + 2
-    table = torch.randperm(n * pages, device=DEV).to(torch.int32).view(n, pages)
-    out_pages = max(lengths) // ratio // ob + 1
-    out_table = torch.randperm(n * out_pages, device=DEV).view(n, out_pages)
-    pos = torch.cat([torch.arange(k, device=DEV) for k in lengths])
-    req = torch.cat([torch.full((k,), r, dtype=torch.int32, device=DEV) for r, k in enumerate(lengths)])
-    state_slots = table.long()[req.long(), pos // sb] * sb + pos % sb
-    out_slots = torch.where((pos + 1) % ratio == 0, out_table[req.long(), pos // ratio // ob] * ob
-                            + (pos // ratio) % ob, -1)
-    codec = get_codec(out_format)
-    state = torch.randn(n * pages, sb, width, device=DEV)
-    out = codec.allocate(n * out_pages, ob, device=DEV)
-    out.view(torch.uint8).random_(0, 256)
-    args_a = (torch.randn(pos.numel(), width, device=DEV) * 2, pos, req)
-    ape = torch.randn(ratio, coff * head_dim, device=DEV)
-    w = torch.rand(head_dim, device=DEV) + 0.5
-    cs = cos_sin(max(lengths))
+    b = bench.packed_compressor_batch(lengths, ratio, head_dim, out_format, DEV)
+    state, out, out_slots = b["state"], b["out_cache"], b["out_slots"]
+    args_a = (torch.randn(b["positions"].numel(), b["width"], device=DEV) * 2, b["positions"], b["token_request"])
+    mid = (b["table"], b["state_slots"], b["ape"], b["weight"], b["cos_sin"])
     two_state, two_out, ref_state, ref_out = state.clone(), out.clone(), state.clone(), out.clone()
     kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": profile, "eps": 1e-6}
-    B.compress_insert(*args_a, state, table, state_slots, ape, w, cs, out, out_slots, **kw, windows_in_call=True)
-    B.compress_insert(*args_a, two_state, table, state_slots, ape, w, cs, two_out, out_slots, **kw)
-    reference.compress_insert(*args_a, ref_state, table, state_slots, ape, w, cs, ref_out, out_slots, **kw)
+    B.compress_insert(*args_a, state, *mid, out, out_slots, **kw, windows_in_call=True)
+    B.compress_insert(*args_a, two_state, *mid, two_out, out_slots, **kw)
+    reference.compress_insert(*args_a, ref_state, *mid, ref_out, out_slots, **kw)
     same = torch.equal(state, two_state) and torch.equal(out.view(torch.uint8), two_out.view(torch.uint8))
     assert same, "promise path differs from two launches"
     written = out_slots[out_slots >= 0].cpu()
@@ -543,7 +526,7 @@ def main() -> None:
     for args in ((4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm"), (4, 512, "bf16", "vllm"),
                  (4, 128, "indexer_mxfp4", "deepseek"), (4, 128, "indexer_fp8", "vllm")):
         check(f"compress_insert {args}", chk_compressor, *args)
-    packed = [4096 + 37 * k + (k % 3) for k in range(8)]  # 8 fresh requests, unaligned token offsets
+    packed = bench.PACKED  # 8 fresh requests of ~4K tokens, unaligned token offsets
     for args in ((4, 128, "indexer_fp8", "vllm"), (4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm")):
         check(f"compress_insert {args} packed fresh prefill, windows_in_call", chk_compressor_promise, *args, packed)
     check("compress_insert (4, 128, 'indexer_mxfp4', 'deepseek') packed fresh prefill, windows_in_call",

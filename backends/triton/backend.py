@@ -2,7 +2,7 @@
 format specs, and launches the kernels of this folder (imported on first use)."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from dsv4.backend import Backend, Capabilities, OpRequest
@@ -52,6 +52,22 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
 
         _HADAMARD[key] = hadamard_matrix(dim, torch.float32, device)
     return _HADAMARD[key]
+
+
+def compressor_launch_args(out_cache: torch.Tensor, out_format: str, head_dim: int, profile: str,
+                           cos_sin: torch.Tensor, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """(out layout, the keywords that format and profile decide for ``compressor.compress_insert``:
+    deepseek_rounding, hadamard, rope_dim). Raises on a head_dim the format does not hold."""
+    indexer_keys = out_format.startswith("indexer_")
+    layout = key_layout(out_format, out_cache, "out_cache") if indexer_keys \
+        else latent_layout(out_format, out_cache, "out_cache")
+    expected_dim = layout.dim if indexer_keys else layout.row_dim
+    if head_dim != expected_dim:
+        raise DSV4ValueError.of("head_dim", f"{expected_dim} for out_format {out_format}", head_dim)
+    numerics = get_profile(profile)
+    hadamard = _hadamard(head_dim, device) if indexer_keys and numerics.indexer_hadamard else None
+    return layout, {"deepseek_rounding": numerics.compressor_rounding == "deepseek", "hadamard": hadamard,
+                    "rope_dim": cos_sin.shape[1] if indexer_keys else layout.rope_dim}
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -114,12 +130,8 @@ class TritonBackend(Backend):
 
         if ratio not in (4, 128):
             raise DSV4ValueError.of("ratio", "4 or 128", ratio)
-        indexer_keys = out_format.startswith("indexer_")
-        layout = key_layout(out_format, out_cache, "out_cache") if indexer_keys \
-            else latent_layout(out_format, out_cache, "out_cache")
-        expected_dim = layout.dim if indexer_keys else layout.row_dim
-        if head_dim != expected_dim:
-            raise DSV4ValueError.of("head_dim", f"{expected_dim} for out_format {out_format}", head_dim)
+        layout, kernel_kw = compressor_launch_args(out_cache, out_format, head_dim, profile, cos_sin,
+                                                   kv_score.device)
         coff = 2 if ratio == 4 else 1
         width = 2 * coff * head_dim
         _check_dtype("kv_score", kv_score, torch.float32)
@@ -144,20 +156,13 @@ class TritonBackend(Backend):
         _check_rows("ape", ape)
         _check_dtype("norm_weight", norm_weight, torch.float32)
         _check_shape("norm_weight", norm_weight, (head_dim,))
-        rope_dim = layout.rope_dim if not indexer_keys else cos_sin.shape[1]
-        _check_cos_sin(cos_sin, rope_dim)
+        _check_cos_sin(cos_sin, kernel_kw["rope_dim"])
         _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
         _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
-        numerics = get_profile(profile)
-        hadamard = None
-        if indexer_keys and numerics.indexer_hadamard:
-            hadamard = _hadamard(head_dim, kv_score.device)
         compressor.compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
                                    state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
-                                   out_slot_mapping, ratio=ratio, head_dim=head_dim,
-                                   deepseek_rounding=numerics.compressor_rounding == "deepseek",
-                                   hadamard=hadamard, rope_dim=rope_dim, eps=float(eps),
-                                   windows_in_call=bool(windows_in_call) and not _capturing(kv_score))
+                                   out_slot_mapping, ratio=ratio, head_dim=head_dim, eps=float(eps),
+                                   windows_in_call=bool(windows_in_call) and not _capturing(kv_score), **kernel_kw)
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
         """index_q [T,64,128] bf16, weights [T,64] -> (q [T,64,128] bf16, w [T,64] fp32) (SPEC §6.1-6.2)."""

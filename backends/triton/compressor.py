@@ -425,7 +425,8 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         nope, qblock, scale_row = head_dim - rope_dim, out_layout.quant_block, 1
     use_hadamard = hadamard is not None
     programs = triton.cdiv(num_tokens, group)
-    fused = torch.empty((programs if fuse else 1,), dtype=torch.int32, device=kv_score.device)
+    in_call = fuse and windows_in_call  # the first launch finishes every block: no window check, flags, second launch
+    fused = torch.empty((programs if fuse and not in_call else 1,), dtype=torch.int32, device=kv_score.device)
     finish_args = (norm_weight, cos_sin, cos_sin.stride(0), hadamard if use_hadamard else norm_weight,
                    head_dim ** -0.5, eps, u8, bf16, *args)
     finish_meta = {"NOPE": nope, "ROPE": rope_dim, "QBLOCK": qblock, "SCALE_ROW": scale_row, "FP8": fp8,
@@ -440,9 +441,9 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     _save_fuse_kernel[(programs,)](
         kv_score, kv_score.stride(0), positions, token_request, state_slot_mapping, out_slot_mapping, state_cache,
         ape, ape.stride(0), state_block_table, state_block_table.stride(0), state_cache.shape[1], fused, num_tokens,
-        *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse, IN_CALL=fuse and windows_in_call,
+        *finish_args, RATIO=ratio, D=head_dim, COFF=coff, G=group, R=rows, FUSE=fuse, IN_CALL=in_call,
         EARLY=head_dim == 128 if _early is None else _early, PDL=pdl, **finish_meta, **warps, **launch)
-    if _save_only or not _second or (fuse and windows_in_call):
+    if _save_only or not _second or in_call:
         return
     # Second launch: one token a program for small batches (decode); groups of 16 for large ones, where
     # most programs only read the flags and exit (wider groups serialise unaligned requests' blocks).

@@ -3,9 +3,10 @@
 Group maxima give a threshold tau with at least k entries >= tau (typically ~k); the entries >= tau
 are collected and sorted; rows with more than KC such entries (many ties, or a candidate buffer smaller
 than the threshold admits) fall back to a bisection on the row and an ordered compaction, which emits
-the entries above its upper bound in index order (SPEC §6.3 leaves the order open). Rows of at most ``REG_MAX`` entries are held in registers whole
-(``_topk_reg_kernel``: one load, in-register bisection, one scan places the candidates); longer rows
-are streamed in chunks (``_topk_kernel``). See ``topk_indices``.
+the entries above its upper bound in index order (SPEC §6.3 leaves the order open). Rows of at most
+``REG_MAX`` entries are held in registers whole (``_topk_reg_kernel``: one load, in-register bisection,
+one scan places the candidates); longer rows are streamed in chunks (``_topk_kernel``). See
+``topk_indices``.
 """
 from __future__ import annotations
 
