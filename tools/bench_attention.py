@@ -321,8 +321,10 @@ def _cos_sin(num_positions: int, device: str) -> torch.Tensor:
     return torch.cat([ang.cos(), ang.sin()], 1).float().to(device)
 
 
-def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int = 131072, topk: int = 512,
-                         key_format: str = "indexer_mxfp4", device: str = "cuda") -> dict[str, Any]:
+def indexer_decode_calls(batch: int = 128, context: int = 131072, topk: int = 512, key_format: str = "indexer_mxfp4",
+                         device: str = "cuda") -> tuple[Callable[[int], Any], Callable[[int], Any], int]:
+    """The indexer decode row's inputs: (logits-only call, logits + top-k call, key bytes read); each call
+    takes a rotation index 0..1 (two served q tensors)."""
     from dsv4.backends.triton import indexer
     from dsv4.backends.triton.layout import key_layout
 
@@ -358,12 +360,17 @@ def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int 
         return backend.indexer_topk(qs[i], w, positions, token_request, cache, table, topk=topk,
                                     key_format=key_format)
 
+    # Floor bytes: every key of every request read once (logits and top-k traffic not counted).
+    return logits_only, full, batch * entries * fmt.token_bytes
+
+
+def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int = 131072, topk: int = 512,
+                         key_format: str = "indexer_mxfp4", device: str = "cuda") -> dict[str, Any]:
+    logits_only, full, key_bytes = indexer_decode_calls(batch, context, topk, key_format, device)
     ms_logits = time_cuda(logits_only, rotations=2)
     graph_logits = time_cuda_graph(logits_only, rotations=2, reps=10)
     ms = time_cuda(full, rotations=2)
     graph_ms = time_cuda_graph(full, rotations=2, reps=10)
-    # Floor bytes: every key of every request read once (logits and top-k traffic not counted).
-    key_bytes = batch * entries * fmt.token_bytes
     row = {"name": f"indexer decode b={batch} ctx={context} {key_format} top{topk}", "ms": ms,
            "graph_ms": graph_ms, "gbs": key_bytes / graph_ms / 1e6, "logits_ms": ms_logits,
            "logits_graph_ms": graph_logits, "logits_gbs": key_bytes / graph_logits / 1e6}

@@ -1,4 +1,4 @@
-"""Where the mxfp4 indexer decode time goes (issue 4): the installed logits loop against variants that drop
+r"""Where the mxfp4 indexer decode time goes (issue 4): the installed logits loop against variants that drop
 its work, each timed in its own process, with the loop's SASS instruction count read from the compiled kernel.
 
     python tools/indexer_floor.py [--rounds 2] [--reps 4] [--variants installed,no_decode,no_scales,no_epilogue]
@@ -18,6 +18,12 @@ Every variant keeps the grid, the tile loads and their prefetch, the K=128 bf16 
 The table ends with a least-squares line, time = floor + slope x instructions a tile. The floor is what this
 kernel structure costs with no ALU work in its loop; the top-k is timed with every variant. A rewrite that
 no longer matches the shipped source stops with the text it could not find.
+
+``--once VARIANT`` makes two logits calls at the same shape and times nothing: the target for a profiler,
+e.g. (docs/triton.md "Eleventh round")
+    ncu -k regex:_indexer_logits --launch-skip 1 --launch-count 1 --metrics \
+      regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
+      python3 tools/indexer_floor.py --once no_decode
 """
 from __future__ import annotations
 
@@ -119,13 +125,31 @@ def child(variant: str, reps: int) -> dict:
             "logits_us": [1000 * r["logits_graph_ms"] for r in rows], "full_us": [1000 * r["graph_ms"] for r in rows]}
 
 
+def once(variant: str) -> None:
+    """Two logits calls at the benchmark's shape, nothing timed (``--once``)."""
+    sys.path.insert(0, str(HERE))
+    import bench_attention as bench
+
+    install_variant(variant)
+    logits_only, _, _ = bench.indexer_decode_calls()
+    for i in range(2):
+        logits_only(i)
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, one process a variant each")
     ap.add_argument("--reps", type=int, default=4, help="benchmark rows a process")
+    ap.add_argument("--once", choices=VARIANTS, help="two untimed logits calls of one variant (for ncu)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.once:
+        once(args.once)
+        return
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.reps)), flush=True)
         return
