@@ -129,13 +129,12 @@ def once(variant: str) -> None:
     """Two logits calls at the benchmark's shape, nothing timed (``--once``)."""
     sys.path.insert(0, str(HERE))
     import bench_attention as bench
+    import torch
 
     install_variant(variant)
     logits_only, _, _ = bench.indexer_decode_calls()
     for i in range(2):
         logits_only(i)
-    import torch
-
     torch.cuda.synchronize()
 
 
@@ -181,10 +180,11 @@ def main() -> None:
               f"{statistics.median(full) - statistics.median(lg):.1f} | {100 * frac:.1f}% |")
         if n is not None:
             points.append((n, statistics.median(lg)))
-    if len(points) >= 2:
+    spread = sum((n - statistics.fmean(m for m, _ in points)) ** 2 for n, _ in points) if points else 0
+    if spread > 0:  # at least two different instruction counts
         mx = statistics.fmean(n for n, _ in points)
         my = statistics.fmean(t for _, t in points)
-        slope = sum((n - mx) * (t - my) for n, t in points) / sum((n - mx) ** 2 for n, _ in points)
+        slope = sum((n - mx) * (t - my) for n, t in points) / spread
         print(f"\nlogits µs = {my - slope * mx:.1f} + {slope:.3f} x (loop instructions a tile); "
               f"keys {rs[0]['key_bytes'] / 1e6:.0f} MB, copy bandwidth {copy:.0f} GB/s")
 

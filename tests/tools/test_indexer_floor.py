@@ -3,6 +3,7 @@ loop count picks the mxfp4 tile loop (the timing itself runs only on a GPU)."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -107,3 +108,34 @@ def test_a_variant_changes_what_the_kernel_runs(monkeypatch: pytest.MonkeyPatch)
     indexer_floor.install_variant("no_decode")
     assert indexer._mx_tiles is not indexer_mx._mx_tiles
     assert not torch.equal(_served_logits(), shipped)
+
+
+def test_table_and_fit_from_the_children(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The parent's table and least-squares line, from children that report time = 100 + 0.33 x instructions."""
+    counts = {"installed": 374, "no_decode": 240, "no_epilogue": 158}
+    calls = []
+
+    def fake_run(cmd, **_):
+        variant = cmd[cmd.index("--child") + 1]
+        calls.append(variant)
+        t = 100 + 0.33 * counts[variant]
+        out = {"variant": variant, "copy_gbs": 4000.0, "key_bytes": 285.2e6, "instructions": counts[variant],
+               "logits_us": [t - 1, t, t + 1], "full_us": [t + 23] * 3}
+        return type("Done", (), {"returncode": 0, "stderr": "", "stdout": "noise\nRESULT " + json.dumps(out)})()
+
+    monkeypatch.setattr(indexer_floor.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["indexer_floor", "--variants", "installed,no_decode,no_epilogue", "--rounds", "2"])
+    indexer_floor.main()
+    text = capsys.readouterr().out
+    assert calls == ["installed", "no_decode", "no_epilogue"] * 2  # interleaved rounds
+    assert "| installed | 374 | 223.4 (223.4-223.4) | 246.4" in text
+    assert f"| {100 * 285.2e6 / ((100 + 0.33 * 374 + 23) * 1e3) / 4000.0:.1f}% |" in text
+    assert "logits µs = 100.0 + 0.330 x (loop instructions a tile)" in text
+
+
+def test_a_failing_child_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = type("Done", (), {"returncode": 1, "stderr": "Traceback: boom", "stdout": ""})()
+    monkeypatch.setattr(indexer_floor.subprocess, "run", lambda *a, **k: failed)
+    monkeypatch.setattr(sys, "argv", ["indexer_floor", "--variants", "no_scales", "--rounds", "1"])
+    with pytest.raises(SystemExit, match="variant no_scales failed .exit 1.:\nTraceback: boom"):
+        indexer_floor.main()
