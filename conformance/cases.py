@@ -162,6 +162,7 @@ _COMPRESS_STEPS = {
 
 
 def _compress_insert(case: Case, g: torch.Generator) -> Prepared:
+    from dsv4.metadata import closing_windows_in_call
     from dsv4.specs.numerics import get_profile
 
     cfg = _config(case.config)
@@ -201,7 +202,8 @@ def _compress_insert(case: Case, g: torch.Generator) -> Prepared:
                 cos_sin, out_cache, torch.tensor(out_slots, dtype=torch.int64))
         # the host promise of StepMetadata.windows_in_step: True on the fresh first step, so every backend
         # is held to the same result with and without it
-        in_call = all(rng.start == 0 or not any((p + 1) % ratio == 0 for p in rng) for rng in per_request)
+        in_call = closing_windows_in_call([rng.start for rng in per_request], [len(rng) for rng in per_request],
+                                          ratio)
         kwargs = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": case.profile,
                   "eps": cfg.rms_norm_eps, "windows_in_call": in_call}
         steps.append((args, kwargs))

@@ -10,6 +10,7 @@ Slot convention (SPEC §10): logical index ``i`` of a request in a group with pa
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "GroupTable",
     "RatioMetadata",
     "StepMetadata",
+    "closing_windows_in_call",
     "round_up",
     "slots_from_block_table",
     "topk_local_to_global",
@@ -63,6 +65,13 @@ class RatioMetadata:
     hca_lens: torch.Tensor | None = None
 
 
+def closing_windows_in_call(context_lens: Sequence[int], query_lens: Sequence[int], ratio: int) -> bool:
+    """Host-side: True when every request that closes a ``ratio`` block among its new positions
+    ``[c, c+n)`` (``(c+n)//ratio - c//ratio`` of them) starts at position 0: the ``windows_in_call``
+    promise of ``compress_insert``."""
+    return all(c == 0 or (c + n) // ratio == c // ratio for c, n in zip(context_lens, query_lens, strict=True))
+
+
 @dataclass(frozen=True)
 class StepMetadata:
     """Everything derived from (seq_len, query_len) per request and the block tables (SPEC §10).
@@ -101,8 +110,7 @@ class StepMetadata:
         ``compress_insert``. False when ``context_lens`` is unknown."""
         if self.context_lens is None:
             return False
-        # blocks closing at new positions [c, c+n): (c+n)//r - c//r of them
-        return all(c == 0 or (c + n) // ratio == c // ratio for c, n in zip(self.context_lens, self.query_lens))
+        return closing_windows_in_call(self.context_lens, self.query_lens, ratio)
 
     @property
     def is_decode_only(self) -> bool:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from dsv4.cache import OutOfBlocksError, PagedKVCache, StepRequest
-from dsv4.metadata import slots_from_block_table, topk_local_to_global
+from dsv4.metadata import closing_windows_in_call, slots_from_block_table, topk_local_to_global
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4ValueError
 
@@ -83,6 +83,19 @@ def test_windows_in_step_is_true_only_when_closing_requests_are_fresh():
     from dataclasses import replace
 
     assert not replace(fresh, context_lens=None).windows_in_step(4)
+
+
+def test_closing_windows_in_call_counts_closing_positions():
+    """The closed form (c+n)//r == c//r against the definition: no new position p with (p+1) % r == 0."""
+    for r in (4, 128):
+        for c in range(2 * r + 3):
+            for n in range(2 * r + 3):
+                closes = any((p + 1) % r == 0 for p in range(c, c + n))
+                assert closing_windows_in_call([c], [n], r) == (c == 0 or not closes), (r, c, n)
+    assert closing_windows_in_call([0, 5], [9, 2], 4)  # fresh request closes, continuing one does not
+    assert not closing_windows_in_call([0, 5], [9, 3], 4)  # 5..7: 7 closes a block opened in an earlier step
+    with pytest.raises(ValueError):
+        closing_windows_in_call([0], [1, 2], 4)
 
 
 def test_sliding_groups_free_pages_outside_their_window():
