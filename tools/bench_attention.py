@@ -372,7 +372,7 @@ def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int 
     ms = time_cuda(full, rotations=2)
     graph_ms = time_cuda_graph(full, rotations=2, reps=10)
     row = {"name": f"indexer decode b={batch} ctx={context} {key_format} top{topk}", "ms": ms,
-           "graph_ms": graph_ms, "gbs": key_bytes / graph_ms / 1e6, "logits_ms": ms_logits,
+           "graph_ms": graph_ms, "key_bytes": key_bytes, "gbs": key_bytes / graph_ms / 1e6, "logits_ms": ms_logits,
            "logits_graph_ms": graph_logits, "logits_gbs": key_bytes / graph_logits / 1e6}
     return _fractions(row, ceil)
 
