@@ -9,20 +9,23 @@ alternative to the installed kernel (``backends/triton/indexer_mx.py``), not use
 
 Same contract as ``indexer.indexer_logits`` for mxfp4 keys (SPEC §9.3) and an exact-e4m3 q
 (``indexer.q_codes``): one Gluon program per (token, range of entries), one warpgroup, 64-key tiles:
-- a cp.async ring (``stages`` deep) of the raw words [64, 16] int32 and each key's scale word, every thread
-  reading back only what it copied;
+- a cp.async ring (``stages`` deep) of the raw words [64, 16] int32 and each key's scale word; an invalid
+  entry's scale word is copied from a -1 sentinel (UE8M0 255 is NaN, never a real scale), so the decode
+  knows it without a block-table load; the refill's page number is loaded one iteration ahead;
 - decode by table lookup: key j's block b (d = s_jb - max_b s_jb <= 0) gets an 8-entry table of the e4m3
-  bytes of {0, .5, 1, 1.5, 2, 3, 4, 6} x 2**(d + 6) (``cvt.rn.satfinite``: exact for d >= -14, rounded
-  below); a nibble's magnitude is one PRMT lookup, its sign the PRMT sign-replicate mode (both PTX blocks
-  run on CPU through ``ptx_eval`` in tests/tools); the bytes go to a 2-deep fp8 [64, 128] NVMMA ring;
+  bytes of {0, .5, 1, 1.5, 2, 3, 4, 6} x 2**(d + 6). ``fast`` (default) builds it with two integer
+  multiply-adds: exact for d >= -11, zero below. Otherwise ``cvt.rn.satfinite`` builds it: exact for
+  d >= -14, rounded below. A nibble's magnitude is one PRMT lookup; its sign is a second PRMT in
+  sign-replicate mode over {w << 4, w}: 10 instructions a word of 8 nibbles. Both PTX blocks run on CPU
+  through ``ptx_eval`` in tests/tools. The bytes go to a 2-deep fp8 [64, 128] NVMMA ring;
 - one K=128 chain of four K=32 fp8 MMAs per tile (keys = A, q^T = B), issued asynchronously: tile i+1 is
   decoded while tile i's MMA runs, and tile i's epilogue (relu, weighted head sum, the key's 2**(m - 139),
   -inf for invalid entries) runs while tile i+1's MMA runs.
 
-Numerics differ from the installed kernel: the K=128 fp8 chain accumulates at the tensor core's reduced
-precision (the H200 measured 2-3e-4 of the row maximum against the installed kernel's exact fp32 sums,
-inside SPEC §13's 1e-3 top-k slack), and blocks more than 14 binades below their key's largest are
-rounded to e4m3. The H200 result and what bounds it are in docs/triton.md ("Twelfth round").
+Numerics differ from the installed kernel. The K=128 fp8 chain accumulates at the tensor core's reduced
+precision: the H200 measured 2-3e-4 of the row maximum against the installed kernel's exact fp32 sums,
+inside SPEC §13's 1e-3 top-k slack. Blocks far below their key's largest are flushed (``fast``) or
+rounded. The H200 result and what bounds it are in docs/triton.md ("Twelfth round").
 """
 from __future__ import annotations
 
@@ -137,6 +140,10 @@ def ptx_eval(asm: str, args: list[torch.Tensor], outputs: int) -> list[torch.Ten
     return [env[f"${i}"] for i in range(outputs)]
 
 
+# The integer tables (``FAST``): e4m3 bytes of {0, .5, 1, 1.5} / {2, 3, 4, 6} x 2**6 at d = 0; d < 0 lowers
+# every nonzero byte's exponent field by -d (d * 8 added a byte), normal down to d = -11.
+_TABLE_LO = gl.constexpr(0x6C686000)
+_TABLE_HI = gl.constexpr(0x7C787470)
 _CVT4 = gl.constexpr(
     "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3;"
     " mov.b32 $0, {l, h}; }")
@@ -149,14 +156,20 @@ def _cvt4(a, b, c, d):
 
 
 @gluon.jit
-def _tables(sword, blk):
-    """sword int32 (4 UE8M0 bytes), blk int32 -> (T_lo, T_hi, m): e4m3 bytes of {0, .5, 1, 1.5} and
-    {2, 3, 4, 6} times 2**(s_blk - m + 6), m = the largest of the four."""
+def _max_scale(sword):
+    """int32 scale words (4 UE8M0 bytes) -> the largest byte."""
     s0 = sword & 255
     s1 = (sword >> 8) & 255
     s2 = (sword >> 16) & 255
     s3 = (sword >> 24) & 255
-    m = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+    return gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+
+
+@gluon.jit
+def _tables(sword, blk):
+    """sword int32 (4 UE8M0 bytes), blk int32 -> (T_lo, T_hi, m): e4m3 bytes of {0, .5, 1, 1.5} and
+    {2, 3, 4, 6} times 2**(s_blk - m + 6), m = the largest of the four."""
+    m = _max_scale(sword)
     d = ((sword >> (8 * blk)) & 255) - m  # <= 0
     f = (gl.maximum(d + 133, 0) << 23).to(gl.float32, bitcast=True)  # 2**(d + 6); 0 below 2**-126
     lo = _cvt4(f * 0.0, f * 0.5, f, f * 1.5)
@@ -165,27 +178,31 @@ def _tables(sword, blk):
 
 
 _DECODE = gl.constexpr(
-    "{ .reg .b32 s, k, m, g, h; mov.b32 k, 0x80808080;"
-    " and.b32 s, $2, 0x7777; prmt.b32 m, $3, $4, s; prmt.b32 g, k, k, $2; shl.b32 g, g, 1;"
+    "{ .reg .b32 s, m, g, h, w4; shl.b32 w4, $2, 4;"
+    " and.b32 s, $2, 0x7777; prmt.b32 m, $3, $4, s; prmt.b32 g, w4, $2, 0xD9C8;"
     " lop3.b32 $0, m, g, 0x80808080, 0xF8;"
-    " shr.u32 h, $2, 16; and.b32 s, h, 0x7777; prmt.b32 m, $3, $4, s; prmt.b32 g, k, k, h; shl.b32 g, g, 1;"
+    " shr.u32 h, $2, 16; and.b32 s, h, 0x7777; prmt.b32 m, $3, $4, s; prmt.b32 g, w4, $2, 0xFBEA;"
     " lop3.b32 $1, m, g, 0x80808080, 0xF8; }")
 
 
 @gluon.jit
 def _decode(w, tlo, thi):
     """int32 word of 8 nibbles (element e at bits 4e..4e+3: sign, e1, e0, m) -> two int32 of e4m3 bytes
-    (elements 0..3, 4..7): magnitude = byte (nibble & 7) of the table (tlo, thi), sign from the PRMT
-    sign-replicate mode (0x80 / 0xFF a byte, bit 6 shifted into bit 7)."""
+    (elements 0..3, 4..7), 10 instructions: magnitude = byte (nibble & 7) of the table (tlo, thi), one
+    PRMT a half; sign = a second PRMT in sign-replicate mode over {w << 4, w}, whose byte msbs are the
+    even and odd elements' sign bits (0x00 / 0xFF a byte), masked into bit 7.
+    """
     return gl.inline_asm_elementwise(_DECODE, "=r,=r,r,r,r", [w, tlo, thi], dtype=(gl.int32, gl.int32),
                                      is_pure=True, pack=1)
 
 
 @gluon.jit
-def _issue(i32_ptr, raw_ring, sc_ring, stage, page, in_page, nvalid, page_stride_w, scale_off_w,
-           L3: gl.constexpr, BN: gl.constexpr):
+def _issue(i32_ptr, sentinel, raw_ring, sc_ring, stage, page, in_page, nvalid, page_stride_w, scale_off_w,
+           L3: gl.constexpr, BN: gl.constexpr, FAST: gl.constexpr):
     """cp.async the raw words and scale words of one tile (page ``page`` from ``in_page``, first nvalid rows
-    valid; nvalid <= 0: nothing valid) into ring stage ``stage``; commits one group."""
+    valid; nvalid <= 0: nothing valid) into ring stage ``stage``; commits one group. An invalid row's words
+    are zero-filled and its scale word is copied from ``sentinel`` (-1: UE8M0 255 is NaN, never a real
+    scale), which marks it invalid for the decode."""
     LS: gl.constexpr = gl.SliceLayout(2, L3)
     r3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     b3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
@@ -198,21 +215,26 @@ def _issue(i32_ptr, raw_ring, sc_ring, stage, page, in_page, nvalid, page_stride
     ok = ok & gl.expand_dims(gl.expand_dims(b3 >= 0, 0), 2)
     cp.async_copy_global_to_shared(raw_ring.index(stage), ptr, mask=ok)
     rs = gl.arange(0, BN, layout=gl.SliceLayout(1, LS))
-    bs = gl.arange(0, 4, layout=gl.SliceLayout(0, LS))
-    sptr = i32_ptr + (gl.expand_dims(base + scale_off_w + (in_page + rs).to(gl.int64), 1)
-                      + gl.expand_dims(bs * 0, 0))
-    sok = gl.expand_dims(rs < nvalid, 1) & gl.expand_dims(bs >= 0, 0)
-    cp.async_copy_global_to_shared(sc_ring.index(stage), sptr, mask=sok)
+    sptr = gl.where(rs < nvalid, i32_ptr + base + scale_off_w + (in_page + rs), sentinel)
+    if FAST:  # one scale word a key ([BN], the two threads of a row share it after the ring's barrier)
+        cp.async_copy_global_to_shared(sc_ring.index(stage), sptr)
+    else:  # the key's scale word once for each of the thread's two blocks ([BN, 4])
+        bs = gl.arange(0, 4, layout=gl.SliceLayout(0, LS))
+        sptr2 = gl.expand_dims(sptr, 1) + gl.expand_dims(bs * 0, 0)
+        cp.async_copy_global_to_shared(sc_ring.index(stage), sptr2)
     cp.commit_group()
 
 
 @gluon.jit
-def _tile_page(bt_row, start, scored_end, log2b):
-    """(page, offset in page, valid rows) of the tile at ``start`` (tiles never cross a page)."""
-    live = start < scored_end
-    page = gl.load(bt_row + (start >> log2b), mask=live, other=-1)
-    nvalid = gl.where(page >= 0, scored_end - start, 0)
-    return page, start & ((1 << log2b) - 1), nvalid
+def _page(bt_row, start, scored_end, log2b):
+    """The page of the tile at ``start`` (tiles never cross a page); -1 past the scored range."""
+    return gl.load(bt_row + (start >> log2b), mask=start < scored_end, other=-1)
+
+
+@gluon.jit
+def _geometry(page, start, scored_end, log2b):
+    """(offset in page, valid rows) of the tile at ``start`` on ``page``."""
+    return start & ((1 << log2b) - 1), gl.where(page >= 0, scored_end - start, 0)
 
 
 @gluon.jit
@@ -229,28 +251,41 @@ def _epilogue(acc, w2, fac, out_row, start, hi, MMA: gl.constexpr, BN: gl.conste
 
 
 @gluon.jit
-def _stage(i, lo, bt_row, scored_end, log2b, i32_ptr, raw_ring, sc_ring, key_ring, fac_ring, q_smem, acc, blk,
-           page_stride_w, scale_off_w, L3: gl.constexpr, LS: gl.constexpr, LOUT: gl.constexpr,
-           KEY_F8: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, S: gl.constexpr):
+def _stage(i, lo, refill_page, scored_end, log2b, i32_ptr, sentinel, raw_ring, sc_ring, key_ring, fac_ring,
+           q_smem, acc, blk, page_stride_w, scale_off_w, L3: gl.constexpr, LS: gl.constexpr,
+           LOUT: gl.constexpr,
+           KEY_F8: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, S: gl.constexpr, FAST: gl.constexpr):
     """Refill the ring with tile i + S - 1, decode tile i into key slot i % 2 (its per-key factors into
     fac slot i % 4), issue its wgmma (async)."""
-    pg, ip, nv = _tile_page(bt_row, lo + (i + S - 1) * BN, scored_end, log2b)
-    _issue(i32_ptr, raw_ring, sc_ring, (i + S - 1) % S, pg, ip, nv, page_stride_w, scale_off_w, L3, BN)
+    ip, nv = _geometry(refill_page, lo + (i + S - 1) * BN, scored_end, log2b)
+    _issue(i32_ptr, sentinel, raw_ring, sc_ring, (i + S - 1) % S, refill_page, ip, nv, page_stride_w,
+           scale_off_w, L3, BN, FAST)
     cp.wait_group(S - 1)
     stage = i % S
     words = raw_ring.index(stage).load(L3)
-    sword = sc_ring.index(stage).load(LS)
-    tlo, thi, m = _tables(sword, blk)
+    if FAST:
+        sw = sc_ring.index(stage).load(gl.SliceLayout(1, LS))  # [BN], one word a key
+        m = _max_scale(sw)
+        d = ((gl.expand_dims(sw, 1) >> (8 * blk)) & 255) - gl.expand_dims(m, 1)
+        d8 = d << 3  # the tables by integer arithmetic: exact for d >= -11, flushed to zero below
+        tlo = gl.where(d >= -11, _TABLE_LO + d8 * 0x01010100, 0)
+        thi = gl.where(d >= -11, _TABLE_HI + d8 * 0x01010101, 0)
+        valid = sw != -1
+    else:
+        sword = sc_ring.index(stage).load(LS)
+        tlo, thi, m = _tables(sword, blk)
+        valid = sword != -1
     o0, o1 = _decode(words, gl.expand_dims(tlo, 2), gl.expand_dims(thi, 2))
     dec = gl.reshape(gl.join(o0, o1), [BN, 32])
     slot = key_ring.index(i % 2)
     slot.store(gl.convert_layout(dec, LOUT))
     # the key's factor 2**(m - 139) (subnormal below m = 13, exact), NaN for an invalid key
-    _, _, nv_i = _tile_page(bt_row, lo + i * BN, scored_end, log2b)
-    row = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), 1) + blk * 0
     fbits = gl.where(m >= 13, (m - 12) << 23, 1 << gl.maximum(m + 10, 0))
-    fbits = gl.where(row < nv_i, fbits, 0x7FC00000)
-    fac_ring.index(i % 4).store(gl.max(fbits, axis=1).to(gl.float32, bitcast=True))  # [BN]
+    fbits = gl.where(valid, fbits, 0x7FC00000)
+    if FAST:
+        fac_ring.index(i % 4).store(fbits.to(gl.float32, bitcast=True))  # [BN]
+    else:
+        fac_ring.index(i % 4).store(gl.max(fbits, axis=1).to(gl.float32, bitcast=True))  # [BN]
     fence_async_shared()
     gl.thread_barrier()
     a = slot._reinterpret(gl.float8e4nv, [BN, D], KEY_F8)
@@ -260,9 +295,10 @@ def _stage(i, lo, bt_row, scored_end, log2b, i32_ptr, raw_ring, sc_ring, key_rin
 
 
 @gluon.jit
-def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, stride_bt, i32_ptr,
+def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, stride_bt, i32_ptr, sentinel,
                      log2b, page_stride_w, scale_off_w, logits, max_entries, chunk, ratio, topk, num_heads,
-                     D: gl.constexpr, HP: gl.constexpr, BN: gl.constexpr, S: gl.constexpr):
+                     D: gl.constexpr, HP: gl.constexpr, BN: gl.constexpr, S: gl.constexpr,
+                     FAST: gl.constexpr):
     """One program per (token, range of ``chunk`` entries): the contract of
     ``indexer._indexer_logits_kernel`` for mxfp4 keys and an exact-e4m3 q (``indexer.q_codes``)."""
     gl.static_assert(D == 128)
@@ -302,7 +338,10 @@ def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, s
         wh = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
         w2 = gl.load(w2_ptr + t * num_heads + wh, mask=wh < num_heads, other=0.0)
         raw_ring = gl.allocate_shared_memory(gl.int32, [S, BN, 4, 4], FLAT3)
-        sc_ring = gl.allocate_shared_memory(gl.int32, [S, BN, 4], FLAT2)
+        if FAST:
+            sc_ring = gl.allocate_shared_memory(gl.int32, [S, BN], FLAT1)
+        else:
+            sc_ring = gl.allocate_shared_memory(gl.int32, [S, BN, 4], FLAT2)
         key_ring = gl.allocate_shared_memory(gl.int32, [2, BN, 32], KEY_I32)
         fac_ring = gl.allocate_shared_memory(gl.float32, [4, BN], FLAT1)
         n = gl.cdiv(scored_end - lo, BN)
@@ -310,25 +349,36 @@ def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, s
         # prologue: S - 1 tiles in flight
         for k in gl.static_range(S - 1):
             st = lo + k * BN
-            pg, ip, nv = _tile_page(bt_row, st, scored_end, log2b)
-            _issue(i32_ptr, raw_ring, sc_ring, k, pg, ip, nv, page_stride_w, scale_off_w, L3, BN)
+            pg = _page(bt_row, st, scored_end, log2b)
+            ip, nv = _geometry(pg, st, scored_end, log2b)
+            _issue(i32_ptr, sentinel, raw_ring, sc_ring, k, pg, ip, nv, page_stride_w, scale_off_w, L3, BN,
+                   FAST)
         gl.thread_barrier()  # q_smem visible to the warpgroup
         blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LS)), 0)
         acc_a = gl.zeros([BN, HP], gl.float32, MMA)
         acc_b = gl.zeros([BN, HP], gl.float32, MMA)
+        # the refill pages, loaded one iteration ahead of their cp.async (a block-table load on the issue's
+        # critical path stalls the warp for a global-memory round trip every tile)
+        pf_a = _page(bt_row, lo + (S - 1) * BN, scored_end, log2b)
+        pf_b = _page(bt_row, lo + S * BN, scored_end, log2b)
         for i in range(0, n, 2):
+            nf_a = _page(bt_row, lo + (i + S + 1) * BN, scored_end, log2b)
+            nf_b = _page(bt_row, lo + (i + S + 2) * BN, scored_end, log2b)
             # tile i -> acc A; tile i + 1 (past the range: an empty tile, its stores masked) decoded while
             # A's MMA runs -> acc B; A's epilogue while B's MMA runs. Nothing is in flight across the back
             # edge (a loop-carried in-flight accumulator makes ptxas serialize every wgmma).
-            tok_a = _stage(i, lo, bt_row, scored_end, log2b, i32_ptr, raw_ring, sc_ring, key_ring, fac_ring,
-                           q_smem, acc_a, blk, page_stride_w, scale_off_w, L3, LS, LOUT, KEY_F8, BN, D, S)
-            tok_b = _stage(i + 1, lo, bt_row, scored_end, log2b, i32_ptr, raw_ring, sc_ring, key_ring,
+            tok_a = _stage(i, lo, pf_a, scored_end, log2b, i32_ptr, sentinel, raw_ring, sc_ring, key_ring,
+                           fac_ring, q_smem, acc_a, blk, page_stride_w, scale_off_w, L3, LS, LOUT, KEY_F8,
+                           BN, D, S, FAST)
+            tok_b = _stage(i + 1, lo, pf_b, scored_end, log2b, i32_ptr, sentinel, raw_ring, sc_ring, key_ring,
                            fac_ring, q_smem, acc_b, blk, page_stride_w, scale_off_w, L3, LS, LOUT, KEY_F8,
-                           BN, D, S)
+                           BN, D, S, FAST)
             acc_a = warpgroup_mma_wait(1, deps=[tok_a])
             _epilogue(acc_a, w2, fac_ring.index(i % 4), out_row, lo + i * BN, hi, MMA, BN)
             acc_b = warpgroup_mma_wait(0, deps=[tok_b])
             _epilogue(acc_b, w2, fac_ring.index((i + 1) % 4), out_row, lo + (i + 1) * BN, hi, MMA, BN)
+            pf_a = nf_a
+            pf_b = nf_b
         cp.wait_group(0)
         tail = gl.maximum(scored_end, lo)
         tail = lo + ((tail - lo) // BN) * BN
@@ -339,13 +389,13 @@ def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, s
 
 
 def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_block_table, *, topk: int,
-                     ratio: int, num_splits: int | None = None, stages: int = 4,
+                     ratio: int, num_splits: int | None = None, stages: int = 4, fast: bool = True,
                      check_exact: bool = True) -> torch.Tensor:
     """``indexer.indexer_logits`` for mxfp4 keys through ``_mx_async_kernel``: logits [T, mb*B] fp32.
 
     q [T, heads <= 64, 128] bf16 (exact e4m3 after ``q_codes``'s shift, else ValueError: the bf16 path is not
-    here; ``check_exact=False`` skips that device sync, e.g. under CUDA-graph capture), w [T, heads] fp32; keys
-    read in place from ``key_cache`` (uint8 pages, SPEC §9.3)."""
+    here; ``check_exact=False`` skips that device sync, e.g. under CUDA-graph capture), w [T, heads] fp32;
+    keys read in place from ``key_cache`` (uint8 pages, SPEC §9.3)."""
     from dsv4.backends.triton import indexer
 
     if GLUON_ERROR is not None:
@@ -366,9 +416,10 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
     splits = -(-max_entries // chunk)
     _mx_async_kernel[(num_tokens, splits)](
         codes, w2, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache.view(torch.int32), layout.block_size.bit_length() - 1, layout.page_stride // 4,
+        key_cache.view(torch.int32), torch.full((4,), -1, dtype=torch.int32, device=q.device),
+        layout.block_size.bit_length() - 1, layout.page_stride // 4,
         layout.scale_offset // 4, logits, max_entries, chunk, ratio, topk, heads,
-        D=dim, HP=64, BN=BLOCK_KEYS, S=stages, num_warps=4)
+        D=dim, HP=64, BN=BLOCK_KEYS, S=stages, FAST=fast, num_warps=4)
     return logits
 
 
@@ -465,12 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, kw, tol in checks:
         inputs = _inputs(**kw)
         ref = indexer.indexer_logits(*inputs, topk=512, ratio=4)
-        for stages in (2, 4):
-            same, err = compare(ref, async_fp8_logits(*inputs, topk=512, ratio=4, stages=stages))
+        for fast, stages in ((False, 2), (False, 4), (True, 2), (True, 4)):
+            same, err = compare(ref, async_fp8_logits(*inputs, topk=512, ratio=4, stages=stages, fast=fast))
             bad = not same or (tol is not None and not err < tol)
             failed += bad
-            print(f"| {name}, stages {stages} | {'equal' if same else 'DIFFERENT'} | {err:.2e}"
-                  f"{' FAIL' if bad else ''} |")
+            print(f"| {name}, {'integer' if fast else 'cvt'} tables, stages {stages} | "
+                  f"{'equal' if same else 'DIFFERENT'} | {err:.2e}{' FAIL' if bad else ''} |")
     inputs = _inputs(128, 131072)
     key_bytes = 128 * (131072 // 4) * 68
     copy_a = torch.empty(256 * 1024 ** 2 // 4, device="cuda")
@@ -483,10 +534,11 @@ def main(argv: list[str] | None = None) -> int:
              lambda: backend.indexer_topk(q, w, positions, token_request, cache, table, topk=512,
                                           key_format="indexer_mxfp4")),
             ("installed logits (Triton, exact)", lambda: indexer.indexer_logits(*inputs, topk=512, ratio=4))]
-    rows += [(f"async fp8 logits, stages {st}, splits {sp or 'auto'}",
-              lambda st=st, sp=sp: async_fp8_logits(*inputs, topk=512, ratio=4, stages=st, num_splits=sp,
-                                                    check_exact=False))
-             for st, sp in ((4, None), (4, 8), (2, 12))]
+    rows += [(f"async fp8 logits, {'integer' if fast else 'cvt'} tables, stages {st}, splits {sp or 'auto'}",
+              lambda st=st, sp=sp, fast=fast: async_fp8_logits(*inputs, topk=512, ratio=4, stages=st,
+                                                               num_splits=sp, fast=fast, check_exact=False))
+             for fast, st, sp in ((False, 4, 8), (True, 4, None), (True, 4, 16), (True, 6, 16), (True, 8, 16),
+                                  (True, 2, 12))]
     print(f"\nb=128 decode tokens at 128K context, mxfp4 keys ({key_bytes / 1e6:.0f} MB), CUDA-graph "
           f"medians; copy {copy_gbs:.0f} GB/s\n\n| call | µs | GB/s | % copy |\n|---|---|---|---|")
     for name, fn in rows:

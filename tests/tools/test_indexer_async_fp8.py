@@ -27,6 +27,15 @@ def _tables(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
+def _int_tables(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's FAST (integer) tables: a per-byte exponent shift of the d = 0 words, 0 below -11."""
+    lo0 = getattr(tool._TABLE_LO, "value", tool._TABLE_LO)
+    hi0 = getattr(tool._TABLE_HI, "value", tool._TABLE_HI)
+    ok = d >= -11
+    return (torch.where(ok, lo0 + d * 8 * 0x01010100, 0) & 0xFFFFFFFF,
+            torch.where(ok, hi0 + d * 8 * 0x01010101, 0) & 0xFFFFFFFF)
+
+
 def _bytes_to_values(word: torch.Tensor) -> torch.Tensor:
     """int64 word of 4 e4m3 bytes -> float64 [..., 4] (byte 0 first)."""
     b = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
@@ -47,6 +56,13 @@ def test_tables_are_the_scaled_e2m1_magnitudes_exact_within_14_binades() -> None
     got = torch.cat([_bytes_to_values(lo), _bytes_to_values(hi)], -1)
     want = E2M1[None, :] * torch.pow(2.0, d + 6.0)[:, None]
     assert torch.equal(got, want)
+
+
+def test_integer_tables_equal_the_cvt_tables_within_11_binades_and_flush_below() -> None:
+    d = torch.arange(-11, 1, dtype=torch.int64)
+    assert all(torch.equal(a, b) for a, b in zip(_int_tables(d), _tables(d), strict=True))
+    lo, hi = _int_tables(torch.arange(-40, -11, dtype=torch.int64))
+    assert not lo.any() and not hi.any()
 
 
 def test_tables_round_to_nearest_below_14_binades() -> None:
@@ -74,7 +90,8 @@ def test_decode_gives_every_nibble_its_signed_scaled_value() -> None:
 
 
 def test_decode_detects_a_broken_sign_placement() -> None:
-    broken = DECODE.replace("shl.b32 g, g, 1;", "shl.b32 g, g, 0;", 1)
+    broken = DECODE.replace("shl.b32 w4, $2, 4;", "shl.b32 w4, $2, 0;", 1)
+    assert broken != DECODE
     words = torch.tensor([0x00000091], dtype=torch.int64)  # element 0: +0.5, element 1: -0.5
     lo, hi = _tables(torch.tensor([0]))
     assert int(tool.ptx_eval(DECODE, [words, lo, hi], 2)[0]) & 0x8080 == 0x8000
