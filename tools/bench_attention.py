@@ -321,47 +321,72 @@ def _cos_sin(num_positions: int, device: str) -> torch.Tensor:
     return torch.cat([ang.cos(), ang.sin()], 1).float().to(device)
 
 
-def indexer_decode_calls(batch: int = 128, context: int = 131072, topk: int = 512, key_format: str = "indexer_mxfp4",
-                         device: str = "cuda") -> tuple[Callable[[int], Any], Callable[[int], Any], int]:
-    """The indexer decode row's inputs: (logits-only call, logits + top-k call, key bytes read); each call
-    takes a rotation index 0..1 (two served q tensors)."""
-    from dsv4.backends.triton import indexer
+def indexer_decode_inputs(batch: int = 128, context: int = 131072, key_format: str = "indexer_mxfp4",
+                          device: str = "cuda", *, rotations: int = 2, scale_range: tuple[int, int] = (118, 126),
+                          unmapped: int = 0, ragged: bool = False,
+                          generator: torch.Generator | None = None) -> dict[str, Any]:
+    """The indexer decode row's inputs: b decode tokens, one request each, at ``context`` (ratio 4, 64-entry
+    pages in a random page order), keys random in ``key_format``, q and w as serving produces them.
+
+    Returns qs (``rotations`` served q tensors), w, positions, token_request, cache, layout, table and
+    key_bytes (every key of every request read once). Checks vary the row: ``scale_range`` (mxfp4 UE8M0
+    bytes, default 2**-9 .. 2**-2: realistic, no subnormal keys), ``unmapped`` (that many page-table
+    entries -1), ``ragged`` (positions in [context/2, context); row 0 short, row 1 at the top-512
+    shortcut).
+    """
     from dsv4.backends.triton.layout import key_layout
 
+    g = {"generator": generator, "device": device}
     entries = context // 4
     block = 64
     pages = entries // block
     fmt = get_format(key_format)
-    cache = torch.randint(0, 0x7F, (batch * pages, fmt.page_stride(block)), dtype=torch.uint8, device=device)
+    mxfp4 = key_format == "indexer_mxfp4"
+    # every nibble for mxfp4 codes; no NaN e4m3 code (0x7f) for fp8 keys
+    cache = torch.randint(0, 256 if mxfp4 else 0x7F, (batch * pages, fmt.page_stride(block)), dtype=torch.uint8,
+                          **g)
     scales = cache[:, fmt.scale_offset(block):]
-    if key_format == "indexer_mxfp4":  # UE8M0 bytes 2**-9 .. 2**-2: realistic, no subnormal keys
-        scales.copy_(torch.randint(118, 126, scales.shape, dtype=torch.uint8, device=device))
-    else:  # fp32 scales 2**-9 (byte pattern 0x3b000000) and no NaN e4m3 codes (0x7f excluded above)
+    if mxfp4:
+        scales.copy_(torch.randint(*scale_range, scales.shape, dtype=torch.uint8, **g))
+    else:  # fp32 scales 2**-9 (byte pattern 0x3b000000)
         scales.view(torch.int32).fill_(0x3B000000)
-    table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
+    table = torch.randperm(batch * pages, **g).to(torch.int32).view(batch, pages)
+    if unmapped:
+        table.view(-1)[torch.randperm(table.numel(), **g)[:unmapped]] = -1
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    if ragged:
+        positions = torch.randint(context // 2, context, (batch,), **g)
+        positions[0], positions[1] = 3000, 4 * 512 - 1
     token_request = torch.arange(batch, dtype=torch.int32, device=device)
-    backend = TritonBackend()
     # q and w as serving produces them: indexer_q of the key format's profile (FP4 / FP8-exact q, which
     # takes the fp8 tensor-core path; arbitrary bf16 q would take the bf16 fallback).
-    profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
+    backend = TritonBackend()
     cs = _cos_sin(context, device)
-    served = [backend.indexer_q((torch.randn(batch, 64, 128, device=device) * 3).to(torch.bfloat16),
-                                torch.randn(batch, 64, device=device).to(torch.bfloat16), positions, cs,
-                                profile=profile) for _ in range(2)]
-    qs = [q for q, _ in served]
-    w = served[0][1]
-    layout = key_layout(key_format, cache)
+    served = [backend.indexer_q((torch.randn(batch, 64, 128, **g) * 3).to(torch.bfloat16),
+                                torch.randn(batch, 64, **g).to(torch.bfloat16), positions, cs,
+                                profile="deepseek" if mxfp4 else "vllm") for _ in range(rotations)]
+    return {"qs": [q for q, _ in served], "w": served[0][1], "positions": positions,
+            "token_request": token_request, "cache": cache, "layout": key_layout(key_format, cache), "table": table,
+            "key_bytes": batch * entries * fmt.token_bytes}
+
+
+def indexer_decode_calls(batch: int = 128, context: int = 131072, topk: int = 512, key_format: str = "indexer_mxfp4",
+                         device: str = "cuda") -> tuple[Callable[[int], Any], Callable[[int], Any], int]:
+    """The indexer decode row's calls on ``indexer_decode_inputs``: (logits-only call, logits + top-k call,
+    key bytes read); each call takes a rotation index 0..1 (two served q tensors)."""
+    from dsv4.backends.triton import indexer
+
+    x = indexer_decode_inputs(batch, context, key_format, device)
+    backend = TritonBackend()
+    args = (x["w"], x["positions"], x["token_request"], x["cache"])
 
     def logits_only(i: int):
-        return indexer.indexer_logits(qs[i], w, positions, token_request, cache, layout, table, topk=topk, ratio=4)
+        return indexer.indexer_logits(x["qs"][i], *args, x["layout"], x["table"], topk=topk, ratio=4)
 
     def full(i: int):
-        return backend.indexer_topk(qs[i], w, positions, token_request, cache, table, topk=topk,
-                                    key_format=key_format)
+        return backend.indexer_topk(x["qs"][i], *args, x["table"], topk=topk, key_format=key_format)
 
-    # Floor bytes: every key of every request read once (logits and top-k traffic not counted).
-    return logits_only, full, batch * entries * fmt.token_bytes
+    return logits_only, full, x["key_bytes"]
 
 
 def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int = 131072, topk: int = 512,

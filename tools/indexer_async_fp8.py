@@ -411,7 +411,7 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
         raise ValueError("q: expected every token's q exact in e4m3 after its shift (FP4/FP8-quantized q)")
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     tiles = -(-max_entries // BLOCK_KEYS)
-    splits = num_splits or max(1, min(round(10 * sms / (num_tokens * 4)) * 4 or 1, tiles // 4))
+    splits = num_splits or max(1, min(round(16 * sms / num_tokens), tiles // 4))  # H200 b=128: 16 was best
     chunk = -(-tiles // splits) * BLOCK_KEYS
     splits = -(-max_entries // chunk)
     _mx_async_kernel[(num_tokens, splits)](
@@ -423,36 +423,14 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
     return logits
 
 
-def _inputs(batch: int, context: int, *, scale_lo: int = 118, scale_hi: int = 126, unmapped: int = 0,
-            jitter: bool = False, seed: int = 0):
-    """The bench row's inputs (``bench_attention.indexer_decode_calls``), with options for the checks: wider
-    UE8M0 ranges, unmapped pages, per-request contexts (one short row, one at the top-k shortcut)."""
-    from bench_attention import _cos_sin
-    from dsv4.backends.triton import TritonBackend
-    from dsv4.backends.triton.layout import key_layout
-    from dsv4.specs.formats import get_format
+def _inputs(batch: int, context: int, *, seed: int = 0, **options) -> tuple:
+    """``bench_attention.indexer_decode_inputs`` (the bench row's inputs; ``options`` vary it for the checks)
+    as the positional arguments of ``indexer_logits`` / ``async_fp8_logits`` up to the key block table."""
+    from bench_attention import indexer_decode_inputs
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    fmt = get_format("indexer_mxfp4")
-    pages = context // 4 // 64
-    cache = torch.randint(0, 256, (batch * pages, fmt.page_stride(64)), dtype=torch.uint8, device="cuda",
-                          generator=g)
-    scales = cache[:, fmt.scale_offset(64):]
-    scales.copy_(torch.randint(scale_lo, scale_hi, scales.shape, dtype=torch.uint8, device="cuda",
-                               generator=g))
-    table = torch.randperm(batch * pages, device="cuda", generator=g).to(torch.int32).view(batch, pages)
-    if unmapped:
-        table.view(-1)[torch.randperm(table.numel(), device="cuda", generator=g)[:unmapped]] = -1
-    positions = torch.full((batch,), context - 1, dtype=torch.int64, device="cuda")
-    if jitter:
-        positions = torch.randint(context // 2, context, (batch,), device="cuda", generator=g)
-        positions[0], positions[1] = 3000, 4 * 512 - 1
-    token_request = torch.arange(batch, dtype=torch.int32, device="cuda")
-    q, w = TritonBackend().indexer_q(
-        (torch.randn(batch, 64, 128, device="cuda", generator=g) * 3).to(torch.bfloat16),
-        torch.randn(batch, 64, device="cuda", generator=g).to(torch.bfloat16), positions,
-        _cos_sin(context, "cuda"), profile="deepseek")
-    return q, w, positions, token_request, cache, key_layout("indexer_mxfp4", cache), table
+    gen = torch.Generator("cuda").manual_seed(seed)
+    x = indexer_decode_inputs(batch, context, rotations=1, generator=gen, **options)
+    return (x["qs"][0], x["w"], x["positions"], x["token_request"], x["cache"], x["layout"], x["table"])
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, float]:
@@ -462,28 +440,6 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, float]:
     rowmax = ref.masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp_min(1e-30)
     err = ((got - ref).abs() / rowmax).masked_fill(~fin, 0).nan_to_num(nan=float("inf"))
     return same, float(err.max())
-
-
-def _graph_us(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps * 1e3)
-    return sorted(times)[3]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"indexer_async_fp8: not run: {why}")
         return 2
     sys.path.insert(0, str(HERE))
+    import bench_attention as bench
     from dsv4.backends.triton import TritonBackend, indexer
 
     if args.once:
@@ -508,11 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| check | -inf pattern | max abs diff / row max |\n|---|---|---|")
     checks = [("b8 32K", {"batch": 8, "context": 32768}, 1e-3),
               ("b8 32K, unmapped pages, ragged contexts",
-               {"batch": 8, "context": 32768, "unmapped": 40, "jitter": True, "seed": 1}, 1e-3),
-              ("UE8M0 100..130",
-               {"batch": 4, "context": 16384, "scale_lo": 100, "scale_hi": 131, "seed": 2}, 1e-3),
-              ("UE8M0 0..254 (rounded blocks)",
-               {"batch": 4, "context": 16384, "scale_lo": 0, "scale_hi": 255, "seed": 3}, None)]
+               {"batch": 8, "context": 32768, "unmapped": 40, "ragged": True, "seed": 1}, 1e-3),
+              ("UE8M0 100..130", {"batch": 4, "context": 16384, "scale_range": (100, 131), "seed": 2}, 1e-3),
+              ("UE8M0 0..254 (flushed or rounded blocks)",
+               {"batch": 4, "context": 16384, "scale_range": (0, 255), "seed": 3}, None)]
     for name, kw, tol in checks:
         inputs = _inputs(**kw)
         ref = indexer.indexer_logits(*inputs, topk=512, ratio=4)
@@ -524,25 +480,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'equal' if same else 'DIFFERENT'} | {err:.2e}{' FAIL' if bad else ''} |")
     inputs = _inputs(128, 131072)
     key_bytes = 128 * (131072 // 4) * 68
-    copy_a = torch.empty(256 * 1024 ** 2 // 4, device="cuda")
-    copy_b = torch.empty_like(copy_a)
-    copy_us = _graph_us(lambda: copy_b.copy_(copy_a), reps=10)
-    copy_gbs = 2 * copy_a.numel() * 4 / copy_us / 1e3
+    copy_gbs = bench.measure_ceilings()["copy_gbs"]
     backend = TritonBackend()
     q, w, positions, token_request, cache, _, table = inputs
     rows = [("installed logits + top-k (`indexer_topk`)",
-             lambda: backend.indexer_topk(q, w, positions, token_request, cache, table, topk=512,
-                                          key_format="indexer_mxfp4")),
-            ("installed logits (Triton, exact)", lambda: indexer.indexer_logits(*inputs, topk=512, ratio=4))]
+             lambda i: backend.indexer_topk(q, w, positions, token_request, cache, table, topk=512,
+                                            key_format="indexer_mxfp4")),
+            ("installed logits (Triton, exact)",
+             lambda i: indexer.indexer_logits(*inputs, topk=512, ratio=4))]
     rows += [(f"async fp8 logits, {'integer' if fast else 'cvt'} tables, stages {st}, splits {sp or 'auto'}",
-              lambda st=st, sp=sp, fast=fast: async_fp8_logits(*inputs, topk=512, ratio=4, stages=st,
-                                                               num_splits=sp, fast=fast, check_exact=False))
+              lambda i, st=st, sp=sp, fast=fast: async_fp8_logits(
+                  *inputs, topk=512, ratio=4, stages=st, num_splits=sp, fast=fast, check_exact=False))
              for fast, st, sp in ((False, 4, 8), (True, 4, None), (True, 4, 16), (True, 6, 16), (True, 8, 16),
                                   (True, 2, 12))]
     print(f"\nb=128 decode tokens at 128K context, mxfp4 keys ({key_bytes / 1e6:.0f} MB), CUDA-graph "
           f"medians; copy {copy_gbs:.0f} GB/s\n\n| call | µs | GB/s | % copy |\n|---|---|---|---|")
     for name, fn in rows:
-        us = _graph_us(fn)
+        us = bench.time_cuda_graph(fn, rotations=8, reps=10) * 1e3  # 8 calls a graph: launch cost amortized
         print(f"| {name} | {us:.1f} | {key_bytes / us / 1e3:.0f} | {key_bytes / us / 1e3 / copy_gbs:.1%} |")
     print(f"\nchecks: {'FAIL' if failed else 'pass'}")
     return 1 if failed else 0
