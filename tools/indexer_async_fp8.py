@@ -397,6 +397,7 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
     here; ``check_exact=False`` skips that device sync, e.g. under CUDA-graph capture), w [T, heads] fp32;
     keys read in place from ``key_cache`` (uint8 pages, SPEC §9.3)."""
     from dsv4.backends.triton import indexer
+    from dsv4.backends.triton._common import device_facts
 
     if GLUON_ERROR is not None:
         raise RuntimeError(GLUON_ERROR)
@@ -409,7 +410,7 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
     codes, w2, exact = indexer.q_codes(q.contiguous(), w.contiguous(), mxfp4=True)
     if check_exact and not bool((exact == 1).all()):
         raise ValueError("q: expected every token's q exact in e4m3 after its shift (FP4/FP8-quantized q)")
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = device_facts(q.device).num_sms
     tiles = -(-max_entries // BLOCK_KEYS)
     splits = num_splits or max(1, min(round(16 * sms / num_tokens), tiles // 4))  # H200 b=128: 16 was best
     chunk = -(-tiles // splits) * BLOCK_KEYS
