@@ -22,6 +22,7 @@ step python3 tools/bench_layer.py --batch 64 --context 4096 --json "$OUT/bench_l
 step python3 tools/profile_layer.py --json "$OUT/profile_layer.json" --top 12
 if [ "${1:-}" != "quick" ]; then  # the mxfp4 indexer loop against variants that drop its work (~60 s; a table in the log)
   step python3 tools/indexer_floor.py
+  step python3 tools/indexer_reg_fp8.py  # the fastest sm_90 mxfp4 design measured, not installed (~20 s)
 fi
 # at most 8 files come back from the device tool: the three golden reports go into one
 python3 - "$OUT" <<'PY'

@@ -24,8 +24,10 @@ iteration, no shared memory for keys and no barrier in the loop:
 - the decoded bytes are already the wgmma's A fragment. The fragment's k order is not the key's: logical
   k = 16 j + 4 c + e holds nibble ``physical_k(k)`` = 32 c + 4 j + e, and q (the B operand, in shared
   memory) is loaded in that order, so the dot product is unchanged;
-- one K=128 chain of four K=32 fp8 wgmmas, then relu, the weighted head sum and the key's 2**(m - 139).
-  With ``maxnreg=80`` six programs share a SM; the other programs' tiles hide each one's latency.
+- one K=128 chain of four K=32 fp8 wgmmas, then relu, the weighted head sum and the key's 2**(m - 139). The
+  relu is (w / 2)(x + |x|): FADDs on the FMA pipe, not FMNMXs on the ALU pipe, which runs at half the issue
+  rate and already carries the decode's PRMT / LOP3 (same bits).
+- With ``maxnreg=80`` six programs share a SM; the other programs' tiles hide each one's latency.
 
 Numerics are those of ``indexer_async_fp8`` (the fp8 chain's accumulation: ~1.3e-4 of the row maximum on
 realistic scales). The H200 result is in docs/triton.md ("Thirteenth round").
@@ -128,10 +130,13 @@ def _operand(words, sw, LW: gl.constexpr, LP: gl.constexpr, DOT: gl.constexpr):
 
 @gluon.jit
 def _epilogue(acc, w2, fbits, out_row, start, hi, MMA: gl.constexpr, BN: gl.constexpr):
-    """acc [BN, HP] fp32 -> relu, weighted head sum, times the key's factor (-inf: invalid), stored < hi."""
+    """acc [BN, HP] fp32 -> relu, weighted head sum (w2: w / 2), times the key's factor (-inf: invalid),
+    stored for entries < hi."""
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     fb = gl.convert_layout(fbits, ROW)
-    score = gl.sum(gl.maximum(acc, 0.0) * gl.expand_dims(w2, 0), axis=1) * fb.to(gl.float32, bitcast=True)
+    # w2 holds w / 2: w relu(x) = (w / 2)(x + |x|) exactly, an FADD with |x| on the FMA pipe instead of
+    # an FMNMX on the ALU pipe (which runs at half the issue rate and carries the decode)
+    score = gl.sum((acc + gl.abs(acc)) * gl.expand_dims(w2, 0), axis=1) * fb.to(gl.float32, bitcast=True)
     j = start + gl.arange(0, BN, layout=ROW)
     gl.store(out_row + j, gl.where(fb != 0x7FC00000, score, float("-inf")), mask=j < hi)
 
@@ -181,7 +186,7 @@ def _mx_reg_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, str
                      mask=gl.expand_dims(qh < num_heads, 1), other=0)
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HP, D], KEY_F8, qc.to(gl.float8e4nv, bitcast=True))
         wh = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
-        w2 = gl.load(w2_ptr + t * num_heads + wh, mask=wh < num_heads, other=0.0)
+        w2 = gl.load(w2_ptr + t * num_heads + wh, mask=wh < num_heads, other=0.0) * 0.5  # see _epilogue
         n = gl.maximum(gl.cdiv(scored_end - lo, BN), 0)
         words, sw = _load_tile(i32_ptr, _page(bt_row, lo, scored_end, log2b), lo, scored_end, log2b,
                                page_stride_w, scale_off_w, LW, BN)
