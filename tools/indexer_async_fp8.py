@@ -29,121 +29,46 @@ rounded. The H200 result and what bounds it are in docs/triton.md ("Twelfth roun
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from indexer_mx_gluon import (  # noqa: F401 - _prmt, check_layout, compare, ptx_eval: the tests use them
+    _TABLE_HI,
+    _TABLE_LO,
+    BLOCK_KEYS,
+    GLUON_ERROR,
+    _geometry,
+    _max_scale,
+    _page,
+    _prmt,
+    _program,
+    _q_operand,
+    _store_shortcut,
+    _store_tail,
+    _tile_pointers,
+    check_layout,
+    compare,
+    gl,
+    gluon,
+    key_args,
+    prepare,
+    ptx_eval,
+    run_tool,
+)
+
+if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    GLUON_ERROR = None
-except Exception as exc:  # noqa: BLE001 - any import failure: the kernel cannot be built here, say why
-    GLUON_ERROR = f"Gluon not importable: {type(exc).__name__}: {exc}"
-
-    class _NoGluon:
-        """Stands in for ``gluon`` / ``gl`` where Gluon is missing: the kernels are defined, never built."""
-        jit = staticmethod(lambda fn: fn)
-        constexpr = staticmethod(lambda value: value)
-
-    gluon = gl = _NoGluon()
-
-HERE = Path(__file__).resolve().parent
-BLOCK_KEYS = 64  # keys a tile (the wgmma M)
-_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7
 
 
-def check_layout(layout, dim: int) -> None:
-    """ValueError naming what this kernel needs that ``layout`` (``dsv4`` KeyLayout) or q's dim lacks."""
-    if layout.format_name != "indexer_mxfp4":
-        raise ValueError(f"key layout: expected indexer_mxfp4, got {layout.format_name}")
-    if dim != 128 or layout.value_bytes != 64 or layout.scale_bytes != 4:
-        raise ValueError(f"geometry: expected q dim 128, 64 code bytes and 4 scale bytes a key, got {dim}, "
-                         f"{layout.value_bytes}, {layout.scale_bytes}")
-    b = layout.block_size
-    if b % BLOCK_KEYS or b & (b - 1):
-        raise ValueError(f"block_size: expected a power of two divisible by {BLOCK_KEYS}, got {b}")
-    if layout.page_stride % 16 or layout.scale_offset % 16:
-        raise ValueError(f"page_stride / scale_offset: expected multiples of 16 (cp.async), got "
-                         f"{layout.page_stride} / {layout.scale_offset}")
-
-
-def _prmt(a: torch.Tensor, b: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """PTX ``prmt.b32`` (default mode) on int64 tensors of 32-bit values: output byte i is byte sel[4i:4i+2]
-    of {b, a} (0-3 from a), or that byte's bit 7 replicated when sel bit 4i+3 is set."""
-    pool = a & 0xFFFFFFFF | (b & 0xFFFFFFFF) << 32
-    out = torch.zeros_like(pool + sel)
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 15
-        byte = (pool >> (8 * (nib & 7))) & 255
-        out |= torch.where(nib >= 8, ((byte >> 7) & 1) * 255, byte) << (8 * i)
-    return out
-
-
-def _e4m3x2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """PTX ``cvt.rn.satfinite.e4m3x2.f32 d, a, b``: a's e4m3 byte in d's upper half, b's in the lower."""
-    def code(x: torch.Tensor) -> torch.Tensor:
-        x = x.float().clamp(-448.0, 448.0)
-        return x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
-    return code(a) << 8 | code(b)
-
-
-def ptx_eval(asm: str, args: list[torch.Tensor], outputs: int) -> list[torch.Tensor]:
-    """Run one of this tool's inline-PTX blocks (``_CVT4``, ``_DECODE``) on CPU tensors: ``args`` bind
-    $outputs.. (int64 tensors of 32-bit values; fp32 for cvt sources). Only the instructions those use."""
-    env: dict[str, torch.Tensor] = {f"${outputs + i}": v for i, v in enumerate(args)}
-
-    def val(token: str) -> torch.Tensor:
-        return env[token] if token in env else torch.tensor(int(token, 0), dtype=torch.int64)
-
-    for stmt in asm.strip("{} ").split(";"):
-        stmt = stmt.strip()
-        if not stmt or stmt.startswith(".reg"):
-            continue
-        op, rest = stmt.split(None, 1)
-        if op == "mov.b32" and "{" in rest:  # mov.b32 d, {lo16, hi16}
-            d, pair = rest.split(",", 1)
-            lo, hi = (t.strip() for t in pair.strip(" {}").split(","))
-            env[d.strip()] = (val(lo) & 0xFFFF) | (val(hi) & 0xFFFF) << 16
-            continue
-        d, *src = (t.strip() for t in rest.split(","))
-        x = [val(t) for t in src]
-        if op == "mov.b32":
-            r = x[0] & 0xFFFFFFFF
-        elif op == "and.b32":
-            r = x[0] & x[1]
-        elif op == "shl.b32":
-            r = (x[0] << x[1]) & 0xFFFFFFFF
-        elif op == "shr.u32":
-            r = (x[0] & 0xFFFFFFFF) >> x[1]
-        elif op == "prmt.b32":
-            r = _prmt(x[0], x[1], x[2])
-        elif op == "lop3.b32":  # bitwise LUT over (a, b, c) = (0xF0, 0xCC, 0xAA)
-            r = torch.zeros_like(x[0] + x[1])
-            for bit in range(8):
-                if int(x[3]) >> bit & 1:
-                    a, b, c = (v if bit >> k & 1 else ~v for k, v in ((2, x[0]), (1, x[1]), (0, x[2])))
-                    r |= a & b & c
-            r &= 0xFFFFFFFF
-        elif op == "cvt.rn.satfinite.e4m3x2.f32":
-            r = _e4m3x2(env[src[0]], env[src[1]])
-        else:
-            raise ValueError(f"ptx_eval: unsupported instruction {op!r}")
-        env[d] = r
-    return [env[f"${i}"] for i in range(outputs)]
-
-
-# The integer tables (``FAST``): e4m3 bytes of {0, .5, 1, 1.5} / {2, 3, 4, 6} x 2**6 at d = 0; d < 0 lowers
-# every nonzero byte's exponent field by -d (d * 8 added a byte), normal down to d = -11.
-_TABLE_LO = gl.constexpr(0x6C686000)
-_TABLE_HI = gl.constexpr(0x7C787470)
 _CVT4 = gl.constexpr(
     "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3;"
     " mov.b32 $0, {l, h}; }")
@@ -153,16 +78,6 @@ _CVT4 = gl.constexpr(
 def _cvt4(a, b, c, d):
     """four fp32 -> int32 of e4m3 bytes [a, b, c, d] (byte 0 = a), RN, saturating."""
     return gl.inline_asm_elementwise(_CVT4, "=r,f,f,f,f", [a, b, c, d], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _max_scale(sword):
-    """int32 scale words (4 UE8M0 bytes) -> the largest byte."""
-    s0 = sword & 255
-    s1 = (sword >> 8) & 255
-    s2 = (sword >> 16) & 255
-    s3 = (sword >> 24) & 255
-    return gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
 
 
 @gluon.jit
@@ -203,19 +118,10 @@ def _issue(i32_ptr, sentinel, raw_ring, sc_ring, stage, page, in_page, nvalid, p
     valid; nvalid <= 0: nothing valid) into ring stage ``stage``; commits one group. An invalid row's words
     are zero-filled and its scale word is copied from ``sentinel`` (-1: UE8M0 255 is NaN, never a real
     scale), which marks it invalid for the decode."""
-    LS: gl.constexpr = gl.SliceLayout(2, L3)
-    r3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    b3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    base = gl.maximum(page, 0).to(gl.int64) * page_stride_w
-    row = base + (in_page + r3).to(gl.int64) * 16
-    ptr = i32_ptr + (gl.expand_dims(gl.expand_dims(row, 1), 2) + gl.expand_dims(gl.expand_dims(b3 * 4, 0), 2)
-                     + gl.expand_dims(gl.expand_dims(c3, 0), 1))
-    ok = gl.expand_dims(gl.expand_dims(r3 < nvalid, 1), 2) & gl.expand_dims(gl.expand_dims(c3 >= 0, 0), 1)
-    ok = ok & gl.expand_dims(gl.expand_dims(b3 >= 0, 0), 2)
+    ptr, ok, base, rows = _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, L3, BN)
     cp.async_copy_global_to_shared(raw_ring.index(stage), ptr, mask=ok)
-    rs = gl.arange(0, BN, layout=gl.SliceLayout(1, LS))
-    sptr = gl.where(rs < nvalid, i32_ptr + base + scale_off_w + (in_page + rs), sentinel)
+    LS: gl.constexpr = gl.SliceLayout(2, L3)
+    sptr = gl.where(rows - in_page < nvalid, i32_ptr + base + scale_off_w + rows, sentinel)
     if FAST:  # one scale word a key ([BN], the two threads of a row share it after the ring's barrier)
         cp.async_copy_global_to_shared(sc_ring.index(stage), sptr)
     else:  # the key's scale word once for each of the thread's two blocks ([BN, 4])
@@ -223,18 +129,6 @@ def _issue(i32_ptr, sentinel, raw_ring, sc_ring, stage, page, in_page, nvalid, p
         sptr2 = gl.expand_dims(sptr, 1) + gl.expand_dims(bs * 0, 0)
         cp.async_copy_global_to_shared(sc_ring.index(stage), sptr2)
     cp.commit_group()
-
-
-@gluon.jit
-def _page(bt_row, start, scored_end, log2b):
-    """The page of the tile at ``start`` (tiles never cross a page); -1 past the scored range."""
-    return gl.load(bt_row + (start >> log2b), mask=start < scored_end, other=-1)
-
-
-@gluon.jit
-def _geometry(page, start, scored_end, log2b):
-    """(offset in page, valid rows) of the tile at ``start`` on ``page``."""
-    return start & ((1 << log2b) - 1), gl.where(page >= 0, scored_end - start, 0)
 
 
 @gluon.jit
@@ -314,27 +208,13 @@ def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, s
     FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     FLAT1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    t = gl.program_id(0).to(gl.int64)
-    lo = gl.program_id(1) * chunk
-    hi = gl.minimum(lo + chunk, max_entries)
-    visible = ((gl.load(positions + t) + 1) // ratio).to(gl.int32)
-    out_row = logits + t * max_entries
-    RL: gl.constexpr = gl.SliceLayout(1, MMA)
-    offs = gl.arange(0, BN, layout=RL)
+    t, lo, hi, visible, scored_end, out_row, bt_row = _program(
+        positions, token_request, block_table, stride_bt, logits, max_entries, chunk, ratio)
+    offs = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     if visible <= topk:
-        for start in range(lo, hi, BN):
-            j = start + offs
-            gl.store(out_row + j, gl.where(j < visible, 0.0, float("-inf")), mask=j < hi)
+        _store_shortcut(out_row, lo, hi, visible, offs, BN)
     else:
-        scored_end = gl.minimum(hi, visible)
-        bt_row = block_table + gl.load(token_request + t).to(gl.int64) * stride_bt
-        # q codes [HP, D] -> shared (B operand, K-major), w2 [HP]
-        qh = gl.arange(0, HP, layout=gl.SliceLayout(1, QL))
-        qk = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-        qc = gl.load(codes_ptr + t * num_heads * D + gl.expand_dims(qh, 1) * D + gl.expand_dims(qk, 0),
-                     mask=gl.expand_dims(qh < num_heads, 1), other=0)
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HP, D], KEY_F8,
-                                           qc.to(gl.float8e4nv, bitcast=True))
+        q_smem = _q_operand(codes_ptr, t, num_heads, HP, D, QL, KEY_F8, False)  # B operand, K-major
         wh = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
         w2 = gl.load(w2_ptr + t * num_heads + wh, mask=wh < num_heads, other=0.0)
         raw_ring = gl.allocate_shared_memory(gl.int32, [S, BN, 4, 4], FLAT3)
@@ -380,12 +260,7 @@ def _mx_async_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, s
             pf_a = nf_a
             pf_b = nf_b
         cp.wait_group(0)
-        tail = gl.maximum(scored_end, lo)
-        tail = lo + ((tail - lo) // BN) * BN
-        for start in range(tail, hi, BN):
-            j = start + offs
-            gl.store(out_row + j, gl.full([BN], float("-inf"), gl.float32, RL),
-                     mask=(j < hi) & (j >= scored_end))
+        _store_tail(out_row, lo, hi, scored_end, offs, BN)
 
 
 def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_block_table, *, topk: int,
@@ -396,111 +271,28 @@ def async_fp8_logits(q, w, positions, token_request, key_cache, layout, key_bloc
     q [T, heads <= 64, 128] bf16 (exact e4m3 after ``q_codes``'s shift, else ValueError: the bf16 path is not
     here; ``check_exact=False`` skips that device sync, e.g. under CUDA-graph capture), w [T, heads] fp32;
     keys read in place from ``key_cache`` (uint8 pages, SPEC §9.3)."""
-    from dsv4.backends.triton import indexer
-    from dsv4.backends.triton._common import device_facts
-
-    if GLUON_ERROR is not None:
-        raise RuntimeError(GLUON_ERROR)
-    num_tokens, heads, dim = q.shape
-    check_layout(layout, dim)
-    if heads > 64:
-        raise ValueError(f"q: expected at most 64 heads, got {heads}")
-    max_entries = key_block_table.shape[1] * layout.block_size
-    logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
-    codes, w2, exact = indexer.q_codes(q.contiguous(), w.contiguous(), mxfp4=True)
-    if check_exact and not bool((exact == 1).all()):
-        raise ValueError("q: expected every token's q exact in e4m3 after its shift (FP4/FP8-quantized q)")
-    sms = device_facts(q.device).num_sms
-    tiles = -(-max_entries // BLOCK_KEYS)
-    splits = num_splits or max(1, min(round(16 * sms / num_tokens), tiles // 4))  # H200 b=128: 16 was best
-    chunk = -(-tiles // splits) * BLOCK_KEYS
-    splits = -(-max_entries // chunk)
-    _mx_async_kernel[(num_tokens, splits)](
+    codes, w2, logits, splits, chunk = prepare(q, w, layout, key_block_table, num_splits, check_exact)
+    i32, log2b, page_stride_w, scale_off_w = key_args(key_cache, layout)
+    _mx_async_kernel[(q.shape[0], splits)](
         codes, w2, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache.view(torch.int32), torch.full((4,), -1, dtype=torch.int32, device=q.device),
-        layout.block_size.bit_length() - 1, layout.page_stride // 4,
-        layout.scale_offset // 4, logits, max_entries, chunk, ratio, topk, heads,
-        D=dim, HP=64, BN=BLOCK_KEYS, S=stages, FAST=fast, num_warps=4)
+        i32, torch.full((4,), -1, dtype=torch.int32, device=q.device), log2b, page_stride_w, scale_off_w,
+        logits, logits.shape[1], chunk, ratio, topk, q.shape[1],
+        D=q.shape[2], HP=64, BN=BLOCK_KEYS, S=stages, FAST=fast, num_warps=4)
     return logits
 
 
-def _inputs(batch: int, context: int, *, seed: int = 0, **options) -> tuple:
-    """``bench_attention.indexer_decode_inputs`` (the bench row's inputs; ``options`` vary it for the checks)
-    as the positional arguments of ``indexer_logits`` / ``async_fp8_logits`` up to the key block table."""
-    from bench_attention import indexer_decode_inputs
-
-    gen = torch.Generator("cuda").manual_seed(seed)
-    x = indexer_decode_inputs(batch, context, rotations=1, generator=gen, **options)
-    return (x["qs"][0], x["w"], x["positions"], x["token_request"], x["cache"], x["layout"], x["table"])
-
-
-def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, float]:
-    """(same -inf / shortcut-zero pattern, largest |got - ref| / the row's largest |ref|)."""
-    fin = torch.isfinite(ref)
-    same = bool((torch.isfinite(got) == fin).all()) and bool((got[~fin] == ref[~fin]).all())
-    rowmax = ref.masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp_min(1e-30)
-    err = ((got - ref).abs() / rowmax).masked_fill(~fin, 0).nan_to_num(nan=float("inf"))
-    return same, float(err.max())
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--once", action="store_true", help="two calls at the bench shape, nothing timed")
-    args = p.parse_args(argv)
-    why = GLUON_ERROR or (None if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-                          else "needs an sm_90 CUDA device")
-    if why:
-        print(f"indexer_async_fp8: not run: {why}")
-        return 2
-    sys.path.insert(0, str(HERE))
-    import bench_attention as bench
-    from dsv4.backends.triton import TritonBackend, indexer
+    variants = [(f"{'integer' if fast else 'cvt'} tables, stages {stages}", {"fast": fast, "stages": stages})
+                for fast, stages in ((False, 2), (False, 4), (True, 2), (True, 4))]
 
-    if args.once:
-        inputs = _inputs(128, 131072)
-        for _ in range(2):
-            async_fp8_logits(*inputs, topk=512, ratio=4)
-        torch.cuda.synchronize()
-        return 0
-    failed = 0
-    print("| check | -inf pattern | max abs diff / row max |\n|---|---|---|")
-    checks = [("b8 32K", {"batch": 8, "context": 32768}, 1e-3),
-              ("b8 32K, unmapped pages, ragged contexts",
-               {"batch": 8, "context": 32768, "unmapped": 40, "ragged": True, "seed": 1}, 1e-3),
-              ("UE8M0 100..130", {"batch": 4, "context": 16384, "scale_range": (100, 131), "seed": 2}, 1e-3),
-              ("UE8M0 0..254 (flushed or rounded blocks)",
-               {"batch": 4, "context": 16384, "scale_range": (0, 255), "seed": 3}, None)]
-    for name, kw, tol in checks:
-        inputs = _inputs(**kw)
-        ref = indexer.indexer_logits(*inputs, topk=512, ratio=4)
-        for fast, stages in ((False, 2), (False, 4), (True, 2), (True, 4)):
-            same, err = compare(ref, async_fp8_logits(*inputs, topk=512, ratio=4, stages=stages, fast=fast))
-            bad = not same or (tol is not None and not err < tol)
-            failed += bad
-            print(f"| {name}, {'integer' if fast else 'cvt'} tables, stages {stages} | "
-                  f"{'equal' if same else 'DIFFERENT'} | {err:.2e}{' FAIL' if bad else ''} |")
-    inputs = _inputs(128, 131072)
-    key_bytes = 128 * (131072 // 4) * 68
-    copy_gbs = bench.measure_ceilings()["copy_gbs"]
-    backend = TritonBackend()
-    q, w, positions, token_request, cache, _, table = inputs
-    rows = [("installed logits + top-k (`indexer_topk`)",
-             lambda i: backend.indexer_topk(q, w, positions, token_request, cache, table, topk=512,
-                                            key_format="indexer_mxfp4")),
-            ("installed logits (Triton, exact)",
-             lambda i: indexer.indexer_logits(*inputs, topk=512, ratio=4))]
-    rows += [(f"async fp8 logits, {'integer' if fast else 'cvt'} tables, stages {st}, splits {sp or 'auto'}",
-              lambda i, st=st, sp=sp, fast=fast: async_fp8_logits(
-                  *inputs, topk=512, ratio=4, stages=st, num_splits=sp, fast=fast, check_exact=False))
-             for fast, st, sp in ((False, 4, 8), (True, 4, None), (True, 4, 16), (True, 6, 16), (True, 8, 16),
-                                  (True, 2, 12))]
-    print(f"\nb=128 decode tokens at 128K context, mxfp4 keys ({key_bytes / 1e6:.0f} MB), CUDA-graph "
-          f"medians; copy {copy_gbs:.0f} GB/s\n\n| call | µs | GB/s | % copy |\n|---|---|---|---|")
-    for name, fn in rows:
-        us = bench.time_cuda_graph(fn, rotations=8, reps=10) * 1e3  # 8 calls a graph: launch cost amortized
-        print(f"| {name} | {us:.1f} | {key_bytes / us / 1e3:.0f} | {key_bytes / us / 1e3 / copy_gbs:.1%} |")
-    print(f"\nchecks: {'FAIL' if failed else 'pass'}")
-    return 1 if failed else 0
+    def rows(inputs):
+        configs = ((False, 4, 8), (True, 4, None), (True, 4, 16), (True, 6, 16), (True, 8, 16), (True, 2, 12))
+        return [((f"async fp8 logits, {'integer' if fast else 'cvt'} tables, stages {st}, "
+                  f"splits {sp or 'auto'}"),
+                 lambda i, st=st, sp=sp, fast=fast: async_fp8_logits(
+                     *inputs, topk=512, ratio=4, stages=st, num_splits=sp, fast=fast, check_exact=False))
+                for fast, st, sp in configs]
+    return run_tool(argv, __doc__, "indexer_async_fp8", async_fp8_logits, variants, rows, "async")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ realistic scales). The H200 result is in docs/triton.md ("Thirteenth round").
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -42,22 +41,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from indexer_async_fp8 import (  # the sibling tool: Gluon import, tables, checks, inputs
-    _TABLE_HI,
-    _TABLE_LO,
-    BLOCK_KEYS,
-    GLUON_ERROR,
-    _geometry,
-    _inputs,
-    _max_scale,
-    _page,
-    check_layout,
-    compare,
-    gl,
-    gluon,
-)
+import indexer_mx_gluon as mx
 
-if GLUON_ERROR is None:
+gl = mx.gl
+gluon = mx.gluon
+
+if mx.GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 # A word of 8 nibbles -> two int32 of e4m3 bytes (elements 0..3, 4..7): _DECODE with one mask for both halves
@@ -93,18 +82,10 @@ def _load_tile(i32_ptr, page, start, scored_end, log2b, page_stride_w, scale_off
                BN: gl.constexpr):
     """The tile at ``start`` on ``page``: raw words [BN, 4 (block), 4 (word)] int32 in LW, scale words [BN]
     (-1, UE8M0 NaN, for an invalid key)."""
-    in_page, nvalid = _geometry(page, start, scored_end, log2b)
-    r3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-    b3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
-    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-    base = gl.maximum(page, 0).to(gl.int64) * page_stride_w
-    row = base + (in_page + r3).to(gl.int64) * 16
-    ptr = i32_ptr + (gl.expand_dims(gl.expand_dims(row, 1), 2) + gl.expand_dims(gl.expand_dims(b3 * 4, 0), 2)
-                     + gl.expand_dims(gl.expand_dims(c3, 0), 1))
-    ok = gl.expand_dims(gl.expand_dims(r3 < nvalid, 1), 2) & gl.expand_dims(gl.expand_dims(c3 >= 0, 0), 1)
-    ok = ok & gl.expand_dims(gl.expand_dims(b3 >= 0, 0), 2)
+    in_page, nvalid = mx._geometry(page, start, scored_end, log2b)
+    ptr, ok, base, rows = mx._tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, LW, BN)
     words = gl.load(ptr, mask=ok, other=0)
-    sw = gl.load(i32_ptr + base + scale_off_w + (in_page + r3), mask=r3 < nvalid, other=-1)
+    sw = gl.load(i32_ptr + base + scale_off_w + rows, mask=rows - in_page < nvalid, other=-1)
     return words, sw
 
 
@@ -114,11 +95,11 @@ def _operand(words, sw, LW: gl.constexpr, LP: gl.constexpr, DOT: gl.constexpr):
     The join / permute / reshape chain only renames registers (tests/tools emulate it in torch)."""
     LT: gl.constexpr = gl.SliceLayout(2, LW)
     blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LT)), 0)
-    m = _max_scale(sw)
+    m = mx._max_scale(sw)
     d = ((gl.expand_dims(sw, 1) >> (8 * blk)) & 255) - gl.expand_dims(m, 1)
     d8 = d << 3
-    tlo = gl.where(d >= -11, _TABLE_LO + d8 * 0x01010100, 0)
-    thi = gl.where(d >= -11, _TABLE_HI + d8 * 0x01010101, 0)
+    tlo = gl.where(d >= -11, mx._TABLE_LO + d8 * 0x01010100, 0)
+    thi = gl.where(d >= -11, mx._TABLE_HI + d8 * 0x01010101, 0)
     o0, o1 = _decode9(words, gl.expand_dims(tlo, 2), gl.expand_dims(thi, 2))  # [BN, c, jh]
     x = gl.permute(gl.join(o0, o1), (0, 2, 3, 1))  # [BN, jh, jl, c]
     x = gl.convert_layout(gl.reshape(x, [x.shape[0], 32]), gl.SliceLayout(2, LP))  # chunk 4 j + c
@@ -164,52 +145,34 @@ def _mx_reg_kernel(codes_ptr, w2_ptr, positions, token_request, block_table, str
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     KEY_F8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     QL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    t = gl.program_id(0).to(gl.int64)
-    lo = gl.program_id(1) * chunk
-    hi = gl.minimum(lo + chunk, max_entries)
-    visible = ((gl.load(positions + t) + 1) // ratio).to(gl.int32)
-    out_row = logits + t * max_entries
-    RL: gl.constexpr = gl.SliceLayout(1, MMA)
-    offs = gl.arange(0, BN, layout=RL)
+    t, lo, hi, visible, scored_end, out_row, bt_row = mx._program(
+        positions, token_request, block_table, stride_bt, logits, max_entries, chunk, ratio)
+    offs = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     if visible <= topk:
-        for start in range(lo, hi, BN):
-            j = start + offs
-            gl.store(out_row + j, gl.where(j < visible, 0.0, float("-inf")), mask=j < hi)
+        mx._store_shortcut(out_row, lo, hi, visible, offs, BN)
     else:
-        scored_end = gl.minimum(hi, visible)
-        bt_row = block_table + gl.load(token_request + t).to(gl.int64) * stride_bt
-        # q codes [HP, D] -> shared (B operand, K-major), in the A fragment's logical k order
-        qh = gl.arange(0, HP, layout=gl.SliceLayout(1, QL))
-        qk = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-        phys = 32 * ((qk >> 2) & 3) + 4 * (qk >> 4) + (qk & 3)  # physical_k
-        qc = gl.load(codes_ptr + t * num_heads * D + gl.expand_dims(qh, 1) * D + gl.expand_dims(phys, 0),
-                     mask=gl.expand_dims(qh < num_heads, 1), other=0)
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HP, D], KEY_F8, qc.to(gl.float8e4nv, bitcast=True))
+        # the B operand (K-major), in the A fragment's logical k order: column k holds q[physical_k(k)]
+        q_smem = mx._q_operand(codes_ptr, t, num_heads, HP, D, QL, KEY_F8, True)
         wh = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
         w2 = gl.load(w2_ptr + t * num_heads + wh, mask=wh < num_heads, other=0.0) * 0.5  # see _epilogue
         n = gl.maximum(gl.cdiv(scored_end - lo, BN), 0)
-        words, sw = _load_tile(i32_ptr, _page(bt_row, lo, scored_end, log2b), lo, scored_end, log2b,
+        words, sw = _load_tile(i32_ptr, mx._page(bt_row, lo, scored_end, log2b), lo, scored_end, log2b,
                                page_stride_w, scale_off_w, LW, BN)
-        pf = _page(bt_row, lo + BN, scored_end, log2b)
+        pf = mx._page(bt_row, lo + BN, scored_end, log2b)
         gl.thread_barrier()  # q_smem visible to the warpgroup
         acc = gl.zeros([BN, HP], gl.float32, MMA)
         for i in range(n):
             # the next tile's words (its page loaded an iteration earlier) while this one is decoded
             nwords, nsw = _load_tile(i32_ptr, pf, lo + (i + 1) * BN, scored_end, log2b, page_stride_w,
                                      scale_off_w, LW, BN)
-            pf = _page(bt_row, lo + (i + 2) * BN, scored_end, log2b)
+            pf = mx._page(bt_row, lo + (i + 2) * BN, scored_end, log2b)
             a, fbits = _operand(words, sw, LW, LP, DOT)
             tok = warpgroup_mma(a, q_smem.permute((1, 0)), acc, use_acc=False, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[tok])
             _epilogue(acc, w2, fbits, out_row, lo + i * BN, hi, MMA, BN)
             words = nwords
             sw = nsw
-        tail = gl.maximum(scored_end, lo)
-        tail = lo + ((tail - lo) // BN) * BN
-        for start in range(tail, hi, BN):
-            j = start + offs
-            gl.store(out_row + j, gl.full([BN], float("-inf"), gl.float32, RL),
-                     mask=(j < hi) & (j >= scored_end))
+        mx._store_tail(out_row, lo, hi, scored_end, offs, BN)
 
 
 def reg_fp8_logits(q, w, positions, token_request, key_cache, layout, key_block_table, *, topk: int,
@@ -220,99 +183,28 @@ def reg_fp8_logits(q, w, positions, token_request, key_cache, layout, key_block_
     q [T, heads <= 64, 128] bf16 (exact e4m3 after ``q_codes``'s shift, else ValueError; ``check_exact=False``
     skips that device sync, e.g. under CUDA-graph capture), w [T, heads] fp32; keys read in place from
     ``key_cache`` (uint8 pages, SPEC §9.3). ``maxnreg`` caps the registers (80: six programs a SM)."""
-    from dsv4.backends.triton import indexer
-    from dsv4.backends.triton._common import device_facts
-
-    if GLUON_ERROR is not None:
-        raise RuntimeError(GLUON_ERROR)
-    num_tokens, heads, dim = q.shape
-    check_layout(layout, dim)
-    if heads > 64:
-        raise ValueError(f"q: expected at most 64 heads, got {heads}")
-    max_entries = key_block_table.shape[1] * layout.block_size
-    logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
-    codes, w2, exact = indexer.q_codes(q.contiguous(), w.contiguous(), mxfp4=True)
-    if check_exact and not bool((exact == 1).all()):
-        raise ValueError("q: expected every token's q exact in e4m3 after its shift (FP4/FP8-quantized q)")
-    sms = device_facts(q.device).num_sms
-    tiles = -(-max_entries // BLOCK_KEYS)
-    splits = num_splits or max(1, min(round(16 * sms / num_tokens), tiles // 4))
-    chunk = -(-tiles // splits) * BLOCK_KEYS
-    splits = -(-max_entries // chunk)
-    _mx_reg_kernel[(num_tokens, splits)](
+    codes, w2, logits, splits, chunk = mx.prepare(q, w, layout, key_block_table, num_splits, check_exact)
+    _mx_reg_kernel[(q.shape[0], splits)](
         codes, w2, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache.view(torch.int32), layout.block_size.bit_length() - 1, layout.page_stride // 4,
-        layout.scale_offset // 4, logits, max_entries, chunk, ratio, topk, heads,
-        D=dim, HP=64, BN=BLOCK_KEYS, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+        *mx.key_args(key_cache, layout), logits, logits.shape[1], chunk, ratio, topk, q.shape[1],
+        D=q.shape[2], HP=64, BN=mx.BLOCK_KEYS, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return logits
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--once", action="store_true", help="two calls at the bench shape, nothing timed")
-    args = p.parse_args(argv)
-    why = GLUON_ERROR or (None if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-                          else "needs an sm_90 CUDA device")
-    if why:
-        print(f"indexer_reg_fp8: not run: {why}")
-        return 2
-    import bench_attention as bench
     import indexer_async_fp8
-    from dsv4.backends.triton import TritonBackend, indexer
-    from dsv4.backends.triton.topk import topk_indices
 
-    if args.once:
-        inputs = _inputs(128, 131072)
-        for _ in range(2):
-            reg_fp8_logits(*inputs, topk=512, ratio=4)
-        torch.cuda.synchronize()
-        return 0
-    failed = 0
-    print("| check | -inf pattern | max abs diff / row max |\n|---|---|---|")
-    checks = [("b8 32K", {"batch": 8, "context": 32768}, 1e-3),
-              ("b8 32K, unmapped pages, ragged contexts",
-               {"batch": 8, "context": 32768, "unmapped": 40, "ragged": True, "seed": 1}, 1e-3),
-              ("UE8M0 100..130", {"batch": 4, "context": 16384, "scale_range": (100, 131), "seed": 2}, 1e-3),
-              ("UE8M0 0..254 (flushed blocks)",
-               {"batch": 4, "context": 16384, "scale_range": (0, 255), "seed": 3}, None)]
-    for name, kw, tol in checks:
-        inputs = _inputs(**kw)
-        ref = indexer.indexer_logits(*inputs, topk=512, ratio=4)
-        for maxnreg in (None, 80):
-            same, err = compare(ref, reg_fp8_logits(*inputs, topk=512, ratio=4, maxnreg=maxnreg))
-            bad = not same or (tol is not None and not err < tol)
-            failed += bad
-            print(f"| {name}, maxnreg {maxnreg} | {'equal' if same else 'DIFFERENT'} | "
-                  f"{err:.2e}{' FAIL' if bad else ''} |")
-    inputs = _inputs(128, 131072)
-    key_bytes = 128 * (131072 // 4) * 68
-    copy_gbs = bench.measure_ceilings()["copy_gbs"]
-    backend = TritonBackend()
-    q, w, positions, token_request, cache, _, table = inputs
-    rows = [("installed logits + top-k (`indexer_topk`)",
-             lambda i: backend.indexer_topk(q, w, positions, token_request, cache, table, topk=512,
-                                            key_format="indexer_mxfp4")),
-            ("installed top-k alone (`topk_indices` on these logits)", lambda i: topk_indices(logits, 512)),
-            ("installed logits (Triton, exact)",
-             lambda i: indexer.indexer_logits(*inputs, topk=512, ratio=4)),
-            ("twelfth round: async fp8, shared-memory operand (`indexer_async_fp8`)",
-             lambda i: indexer_async_fp8.async_fp8_logits(*inputs, topk=512, ratio=4, check_exact=False))]
-    rows += [(f"register operand, maxnreg {mr}, splits {sp or 'auto'}",
-              lambda i, mr=mr, sp=sp: reg_fp8_logits(*inputs, topk=512, ratio=4, num_splits=sp, maxnreg=mr,
-                                                     check_exact=False))
-             for mr, sp in ((None, None), (96, None), (80, None), (80, 24))]
-    logits = indexer.indexer_logits(*inputs, topk=512, ratio=4)
-    print(f"\nb=128 decode tokens at 128K context, mxfp4 keys ({key_bytes / 1e6:.0f} MB), CUDA-graph "
-          f"medians; copy {copy_gbs:.0f} GB/s\n\n| call | µs | GB/s | % copy |\n|---|---|---|---|")
-    times = {}
-    for name, fn in rows:
-        times[name] = us = bench.time_cuda_graph(fn, rotations=8, reps=10) * 1e3  # 8 calls a graph
-        print(f"| {name} | {us:.1f} | {key_bytes / us / 1e3:.0f} | {key_bytes / us / 1e3 / copy_gbs:.1%} |")
-    us = min(v for k, v in times.items() if k.startswith("register")) + times[rows[1][0]]
-    print(f"| the fastest register-operand row + the top-k, estimated | {us:.1f} | "
-          f"{key_bytes / us / 1e3:.0f} | {key_bytes / us / 1e3 / copy_gbs:.1%} |")
-    print(f"\nchecks: {'FAIL' if failed else 'pass'}")
-    return 1 if failed else 0
+    def rows(inputs):
+        async_row = ("twelfth round: async fp8, shared-memory operand (`indexer_async_fp8`)",
+                     lambda i: indexer_async_fp8.async_fp8_logits(*inputs, topk=512, ratio=4,
+                                                                  check_exact=False))
+        return [async_row] + [
+            (f"register operand, maxnreg {mr}, splits {sp or 'auto'}",
+             lambda i, mr=mr, sp=sp: reg_fp8_logits(*inputs, topk=512, ratio=4, num_splits=sp, maxnreg=mr,
+                                                    check_exact=False))
+            for mr, sp in ((None, None), (96, None), (80, None), (80, 24))]
+    variants = [(f"maxnreg {m}", {"maxnreg": m}) for m in (None, 80)]
+    return mx.run_tool(argv, __doc__, "indexer_reg_fp8", reg_fp8_logits, variants, rows, "register operand")
 
 
 if __name__ == "__main__":

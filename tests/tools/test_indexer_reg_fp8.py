@@ -80,15 +80,15 @@ def test_register_operand_holds_nibble_physical_k_at_logical_k() -> None:
 
 
 def test_kernel_loads_q_in_the_physical_k_order() -> None:
-    src = (TOOLS / "indexer_reg_fp8.py").read_text()
-    expr = re.search(r"phys = (.+?)  # physical_k", src).group(1)
+    src = (TOOLS / "indexer_mx_gluon.py").read_text()  # _q_operand, PERMUTED
+    expr = re.search(r"qk = (.+?)  # physical_k", src).group(1)
     qk = torch.arange(128)
     assert torch.equal(eval(expr, {"qk": qk}), tool.physical_k(qk))
 
 
 def test_host_checks_name_the_argument() -> None:
-    if tool.GLUON_ERROR is not None:
-        pytest.skip(tool.GLUON_ERROR)
+    if tool.mx.GLUON_ERROR is not None:
+        pytest.skip(tool.mx.GLUON_ERROR)
     fmt = get_format("indexer_mxfp4")
     cache = torch.zeros(2, fmt.page_stride(64), dtype=torch.uint8)
     layout = key_layout("indexer_mxfp4", cache)
