@@ -17,7 +17,7 @@ Same contract as ``indexer.indexer_logits`` for mxfp4 keys (SPEC §9.3) and an e
   multiply-adds: exact for d >= -11, zero below. Otherwise ``cvt.rn.satfinite`` builds it: exact for
   d >= -14, rounded below. A nibble's magnitude is one PRMT lookup; its sign is a second PRMT in
   sign-replicate mode over {w << 4, w}: 10 instructions a word of 8 nibbles. Both PTX blocks run on CPU
-  through ``ptx_eval`` in tests/tools. The bytes go to a 2-deep fp8 [64, 128] NVMMA ring;
+  through ``indexer_mx_gluon.ptx_eval`` in tests/tools. The bytes go to a 2-deep fp8 [64, 128] NVMMA ring;
 - one K=128 chain of four K=32 fp8 MMAs per tile (keys = A, q^T = B), issued asynchronously: tile i+1 is
   decoded while tile i's MMA runs, and tile i's epilogue (relu, weighted head sum, the key's 2**(m - 139),
   -inf for invalid entries) runs while tile i+1's MMA runs.
@@ -36,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from indexer_mx_gluon import (  # noqa: F401 - _prmt, check_layout, compare, ptx_eval: the tests use them
+from indexer_mx_gluon import (  # the pieces shared with indexer_reg_fp8.py
     _TABLE_HI,
     _TABLE_LO,
     BLOCK_KEYS,
@@ -44,19 +44,15 @@ from indexer_mx_gluon import (  # noqa: F401 - _prmt, check_layout, compare, ptx
     _geometry,
     _max_scale,
     _page,
-    _prmt,
     _program,
     _q_operand,
     _store_shortcut,
     _store_tail,
     _tile_pointers,
-    check_layout,
-    compare,
     gl,
     gluon,
     key_args,
     prepare,
-    ptx_eval,
     run_tool,
 )
 

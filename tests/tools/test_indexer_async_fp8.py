@@ -11,8 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import indexer_async_fp8 as tool
-from dsv4.backends.triton.layout import key_layout
-from dsv4.specs.formats import get_format
+import indexer_mx_gluon as mx
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 DECODE = getattr(tool._DECODE, "value", tool._DECODE)
@@ -22,15 +21,15 @@ CVT4 = getattr(tool._CVT4, "value", tool._CVT4)
 def _tables(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's table words for relative block exponents d (int64), through the shipped _CVT4 block."""
     f = torch.pow(2.0, (d + 6).double()).float()
-    lo = tool.ptx_eval(CVT4, [f * 0.0, f * 0.5, f, f * 1.5], 1)[0]
-    hi = tool.ptx_eval(CVT4, [f * 2.0, f * 3.0, f * 4.0, f * 6.0], 1)[0]
+    lo = mx.ptx_eval(CVT4, [f * 0.0, f * 0.5, f, f * 1.5], 1)[0]
+    hi = mx.ptx_eval(CVT4, [f * 2.0, f * 3.0, f * 4.0, f * 6.0], 1)[0]
     return lo, hi
 
 
 def _int_tables(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's FAST (integer) tables: a per-byte exponent shift of the d = 0 words, 0 below -11."""
-    lo0 = getattr(tool._TABLE_LO, "value", tool._TABLE_LO)
-    hi0 = getattr(tool._TABLE_HI, "value", tool._TABLE_HI)
+    lo0 = getattr(mx._TABLE_LO, "value", mx._TABLE_LO)
+    hi0 = getattr(mx._TABLE_HI, "value", mx._TABLE_HI)
     ok = d >= -11
     return (torch.where(ok, lo0 + d * 8 * 0x01010100, 0) & 0xFFFFFFFF,
             torch.where(ok, hi0 + d * 8 * 0x01010101, 0) & 0xFFFFFFFF)
@@ -40,14 +39,6 @@ def _bytes_to_values(word: torch.Tensor) -> torch.Tensor:
     """int64 word of 4 e4m3 bytes -> float64 [..., 4] (byte 0 first)."""
     b = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
     return b.view(torch.float8_e4m3fn).double()
-
-
-def test_prmt_model_matches_the_ptx_definition() -> None:
-    a, b = torch.tensor([0x33221100]), torch.tensor([0x77665544])
-    assert int(tool._prmt(a, b, torch.tensor([0x3210]))) == 0x33221100
-    assert int(tool._prmt(a, b, torch.tensor([0x4567]))) == 0x44556677
-    # sign-replicate mode (selector bit 3): bit 7 of the selected byte, in all eight bits
-    assert int(tool._prmt(torch.tensor([0x80000080]), b, torch.tensor([0x9B38]))) == 0x00FF80FF
 
 
 def test_tables_are_the_scaled_e2m1_magnitudes_exact_within_14_binades() -> None:
@@ -80,7 +71,7 @@ def test_decode_gives_every_nibble_its_signed_scaled_value() -> None:
     words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every nibble, both signs (8 = -0)
     d = torch.randint(-14, 1, (4096,), generator=g, dtype=torch.int64)
     lo, hi = _tables(d)
-    o0, o1 = tool.ptx_eval(DECODE, [words, lo, hi], 2)
+    o0, o1 = mx.ptx_eval(DECODE, [words, lo, hi], 2)
     got = torch.cat([_bytes_to_values(o0), _bytes_to_values(o1)], -1)
     nib = torch.stack([(words >> (4 * e)) & 15 for e in range(8)], -1)
     sign = torch.where(nib >= 8, -1.0, 1.0).double()
@@ -94,22 +85,8 @@ def test_decode_detects_a_broken_sign_placement() -> None:
     assert broken != DECODE
     words = torch.tensor([0x00000091], dtype=torch.int64)  # element 0: +0.5, element 1: -0.5
     lo, hi = _tables(torch.tensor([0]))
-    assert int(tool.ptx_eval(DECODE, [words, lo, hi], 2)[0]) & 0x8080 == 0x8000
-    assert int(tool.ptx_eval(broken, [words, lo, hi], 2)[0]) & 0x8080 == 0x8080
-
-
-def test_host_checks_name_the_argument() -> None:
-    fmt = get_format("indexer_mxfp4")
-    cache = torch.zeros(2, fmt.page_stride(64), dtype=torch.uint8)
-    tool.check_layout(key_layout("indexer_mxfp4", cache), 128)
-    fp8 = torch.zeros(2, get_format("indexer_fp8").page_stride(64), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="key layout: expected indexer_mxfp4, got indexer_fp8"):
-        tool.check_layout(key_layout("indexer_fp8", fp8), 128)
-    with pytest.raises(ValueError, match="geometry: expected q dim 128"):
-        tool.check_layout(key_layout("indexer_mxfp4", cache), 64)
-    small = torch.zeros(2, fmt.page_stride(32), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="block_size: expected a power of two divisible by 64, got 32"):
-        tool.check_layout(key_layout("indexer_mxfp4", small), 128)
+    assert int(mx.ptx_eval(DECODE, [words, lo, hi], 2)[0]) & 0x8080 == 0x8000
+    assert int(mx.ptx_eval(broken, [words, lo, hi], 2)[0]) & 0x8080 == 0x8080
 
 
 def test_main_says_why_it_does_not_run_without_an_sm90_gpu(capsys: pytest.CaptureFixture[str]) -> None:

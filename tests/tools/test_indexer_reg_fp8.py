@@ -14,14 +14,15 @@ import torch
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))
 import indexer_async_fp8 as twelfth
+import indexer_mx_gluon as mx
 import indexer_reg_fp8 as tool
 from dsv4.backends.triton.layout import key_layout
 from dsv4.specs.formats import get_format
 
 DECODE9 = getattr(tool._DECODE9, "value", tool._DECODE9)
 DECODE = getattr(twelfth._DECODE, "value", twelfth._DECODE)
-LO0 = getattr(twelfth._TABLE_LO, "value", twelfth._TABLE_LO)
-HI0 = getattr(twelfth._TABLE_HI, "value", twelfth._TABLE_HI)
+LO0 = getattr(mx._TABLE_LO, "value", mx._TABLE_LO)
+HI0 = getattr(mx._TABLE_HI, "value", mx._TABLE_HI)
 
 
 def _tables(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +36,8 @@ def test_nine_instruction_decode_equals_the_ten_instruction_one() -> None:
     words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])
     lo, hi = _tables(torch.randint(-11, 1, (8192,), generator=g, dtype=torch.int64))
     assert DECODE9.count(";") < DECODE.count(";")
-    nine = twelfth.ptx_eval(DECODE9, [words, lo, hi], 2)
-    ten = twelfth.ptx_eval(DECODE, [words, lo, hi], 2)
+    nine = mx.ptx_eval(DECODE9, [words, lo, hi], 2)
+    ten = mx.ptx_eval(DECODE, [words, lo, hi], 2)
     assert all(torch.equal(a, b) for a, b in zip(nine, ten, strict=True))
 
 
@@ -45,8 +46,8 @@ def test_decode_with_a_half_mask_breaks_the_upper_nibbles() -> None:
     assert broken != DECODE9
     words = torch.tensor([0x10000000], dtype=torch.int64)  # element 7: 0.5, everything else 0
     lo, hi = _tables(torch.tensor([0]))
-    assert int(twelfth.ptx_eval(DECODE9, [words, lo, hi], 2)[1]) == 0x60000000  # e4m3 of 0.5 * 2**6 = 32
-    assert int(twelfth.ptx_eval(broken, [words, lo, hi], 2)[1]) == 0
+    assert int(mx.ptx_eval(DECODE9, [words, lo, hi], 2)[1]) == 0x60000000  # e4m3 of 0.5 * 2**6 = 32
+    assert int(mx.ptx_eval(broken, [words, lo, hi], 2)[1]) == 0
 
 
 def _operand_bytes(decoded: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def test_register_operand_holds_nibble_physical_k_at_logical_k() -> None:
     words = raw.view(64, 16, 4)
     words = (words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24).view(64, 4, 4)
     lo, hi = _tables(torch.zeros((), dtype=torch.int64))
-    o0, o1 = twelfth.ptx_eval(DECODE9, [words, lo, hi], 2)
+    o0, o1 = mx.ptx_eval(DECODE9, [words, lo, hi], 2)
     got = _operand_bytes(torch.stack([o0, o1], -1))
     # the same key decoded in nibble order (element e of word w is nibble 8 w + e)
     flat = torch.cat([torch.stack([(o >> (8 * e)) & 255 for e in range(4)], -1) for o in (o0, o1)], -1)
@@ -87,8 +88,8 @@ def test_kernel_loads_q_in_the_physical_k_order() -> None:
 
 
 def test_host_checks_name_the_argument() -> None:
-    if tool.mx.GLUON_ERROR is not None:
-        pytest.skip(tool.mx.GLUON_ERROR)
+    if mx.GLUON_ERROR is not None:
+        pytest.skip(mx.GLUON_ERROR)
     fmt = get_format("indexer_mxfp4")
     cache = torch.zeros(2, fmt.page_stride(64), dtype=torch.uint8)
     layout = key_layout("indexer_mxfp4", cache)
