@@ -98,6 +98,8 @@ class StepMetadata:
     swa_lens: torch.Tensor
     ratios: dict[int, RatioMetadata] = field(default_factory=dict)
     context_lens: tuple[int, ...] | None = None
+    # windows_in_step per ratio, computed once a step (every layer asks; O(requests) on the host)
+    _windows_in_step: dict[int, bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +112,11 @@ class StepMetadata:
         ``compress_insert``. False when ``context_lens`` is unknown."""
         if self.context_lens is None:
             return False
-        return closing_windows_in_call(self.context_lens, self.query_lens, ratio)
+        known = self._windows_in_step.get(ratio)
+        if known is None:
+            known = self._windows_in_step[ratio] = closing_windows_in_call(self.context_lens, self.query_lens,
+                                                                           ratio)
+        return known
 
     @property
     def is_decode_only(self) -> bool:

@@ -69,6 +69,7 @@ def test_windows_in_step_is_true_only_when_closing_requests_are_fresh():
     fresh = cache.plan_step([StepRequest("a", 300), StepRequest("b", 7)]).metadata
     assert fresh.context_lens == (0, 0)
     assert fresh.windows_in_step(4) and fresh.windows_in_step(128)
+    assert fresh._windows_in_step == {4: True, 128: True}  # once a step, then every layer reads it
     # a decode at 300 (closes no block at r = 4 or 128) beside a fresh prefill: still in the call
     step = cache.plan_step([StepRequest("a", 1), StepRequest("c", 130)]).metadata
     assert step.context_lens == (300, 0)
