@@ -114,10 +114,10 @@ def _issue(i32_ptr, sentinel, raw_ring, sc_ring, stage, page, in_page, nvalid, p
     valid; nvalid <= 0: nothing valid) into ring stage ``stage``; commits one group. An invalid row's words
     are zero-filled and its scale word is copied from ``sentinel`` (-1: UE8M0 255 is NaN, never a real
     scale), which marks it invalid for the decode."""
-    ptr, ok, base, rows = _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, L3, BN)
+    ptr, ok, sptr, row_ok = _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, scale_off_w, L3, BN)
     cp.async_copy_global_to_shared(raw_ring.index(stage), ptr, mask=ok)
     LS: gl.constexpr = gl.SliceLayout(2, L3)
-    sptr = gl.where(rows - in_page < nvalid, i32_ptr + base + scale_off_w + rows, sentinel)
+    sptr = gl.where(row_ok, sptr, sentinel)
     if FAST:  # one scale word a key ([BN], the two threads of a row share it after the ring's barrier)
         cp.async_copy_global_to_shared(sc_ring.index(stage), sptr)
     else:  # the key's scale word once for each of the thread's two blocks ([BN, 4])

@@ -180,9 +180,10 @@ def _q_operand(codes_ptr, t, num_heads, HP: gl.constexpr, D: gl.constexpr, QL: g
 
 
 @gluon.jit
-def _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, L3: gl.constexpr, BN: gl.constexpr):
-    """Word pointers [BN, 4 (block), 4 (word)] of a tile's keys in layout L3, their mask (rows < nvalid), and
-    the page's base and the rows [BN] (for the scale words)."""
+def _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, scale_off_w, L3: gl.constexpr,
+                   BN: gl.constexpr):
+    """A tile's word pointers [BN, 4 (block), 4 (word)] in layout L3 and their mask, and its scale-word
+    pointers [BN] and their mask (rows < nvalid)."""
     r3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     b3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
@@ -192,7 +193,7 @@ def _tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, L3: gl.constex
                      + gl.expand_dims(gl.expand_dims(c3, 0), 1))
     ok = gl.expand_dims(gl.expand_dims(r3 < nvalid, 1), 2) & gl.expand_dims(gl.expand_dims(c3 >= 0, 0), 1)
     ok = ok & gl.expand_dims(gl.expand_dims(b3 >= 0, 0), 2)
-    return ptr, ok, base, in_page + r3
+    return ptr, ok, i32_ptr + base + scale_off_w + (in_page + r3), r3 < nvalid
 
 
 def prepare(q, w, layout, key_block_table, num_splits: int | None, check_exact: bool) -> tuple:

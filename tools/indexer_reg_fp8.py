@@ -83,9 +83,10 @@ def _load_tile(i32_ptr, page, start, scored_end, log2b, page_stride_w, scale_off
     """The tile at ``start`` on ``page``: raw words [BN, 4 (block), 4 (word)] int32 in LW, scale words [BN]
     (-1, UE8M0 NaN, for an invalid key)."""
     in_page, nvalid = mx._geometry(page, start, scored_end, log2b)
-    ptr, ok, base, rows = mx._tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, LW, BN)
+    ptr, ok, sptr, row_ok = mx._tile_pointers(i32_ptr, page, in_page, nvalid, page_stride_w, scale_off_w, LW,
+                                              BN)
     words = gl.load(ptr, mask=ok, other=0)
-    sw = gl.load(i32_ptr + base + scale_off_w + rows, mask=rows - in_page < nvalid, other=-1)
+    sw = gl.load(sptr, mask=row_ok, other=-1)
     return words, sw
 
 
