@@ -281,6 +281,7 @@ def run_tool(argv: list[str] | None, doc: str, name: str, call, variants: list[t
     import bench_attention as bench
     from dsv4.backends.triton import TritonBackend, indexer
     from dsv4.backends.triton.topk import topk_indices
+    from dsv4.specs.formats import get_format
 
     if args.once:
         inputs = _inputs(128, 131072)
@@ -296,7 +297,7 @@ def run_tool(argv: list[str] | None, doc: str, name: str, call, variants: list[t
         for label, options in variants:
             failed += check_row(f"{check}, {label}", ref, call(*inputs, topk=512, ratio=4, **options), tol)
     inputs = _inputs(128, 131072)
-    key_bytes = 128 * (131072 // 4) * 68
+    key_bytes = 128 * (131072 // 4) * get_format("indexer_mxfp4").token_bytes  # every key read once
     copy_gbs = bench.measure_ceilings()["copy_gbs"]
     backend = TritonBackend()
     q, w, positions, token_request, cache, _, table = inputs
