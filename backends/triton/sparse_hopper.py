@@ -19,9 +19,8 @@ One program per (token, 64-head block, key split), three roles sharing 201 KB of
   (fp32 statistics in the log2 domain), bf16 P, O[:, 0:128] += P V; the next tile's key validity is
   loaded a tile ahead; P and the row rescale go to warpgroup 1 through shared memory;
 - warpgroup 1 (232 registers): O[:, 128:512] += P V (an N=128 and an N=256 wgmma).
-H200 (CUDA-graph replay; the latest run is docs/h200/gpu_check.json, described in docs/triton.md): fp8
-decode 0.96x / 1.18x FlashMLA's time at h=64 / h=128 (the Triton kernel 1.44x / 2.06x), bf16-row prefill
-1.41x / 1.30x (the Triton kernel 2.7x / 2.8x).
+H200 numbers against FlashMLA and the portable Triton kernel: docs/triton.md, "Current H200 numbers" (kept
+there only, so that each run updates one place; raw output in docs/h200/gpu_check.json).
 """
 from __future__ import annotations
 
