@@ -371,9 +371,11 @@ def indexer_decode_inputs(batch: int = 128, context: int = 131072, key_format: s
 
 
 def indexer_decode_calls(batch: int = 128, context: int = 131072, topk: int = 512, key_format: str = "indexer_mxfp4",
-                         device: str = "cuda") -> tuple[Callable[[int], Any], Callable[[int], Any], int]:
+                         device: str = "cuda", tuning: dict | None = None
+                         ) -> tuple[Callable[[int], Any], Callable[[int], Any], int]:
     """The indexer decode row's calls on ``indexer_decode_inputs``: (logits-only call, logits + top-k call,
-    key bytes read); each call takes a rotation index 0..1 (two served q tensors)."""
+    key bytes read); each call takes a rotation index 0..1 (two served q tensors). ``tuning`` goes to
+    ``indexer_logits`` (and the top-k call then runs ``indexer.indexer_topk`` instead of the backend's)."""
     from dsv4.backends.triton import indexer
 
     x = indexer_decode_inputs(batch, context, key_format, device)
@@ -381,22 +383,26 @@ def indexer_decode_calls(batch: int = 128, context: int = 131072, topk: int = 51
     args = (x["w"], x["positions"], x["token_request"], x["cache"])
 
     def logits_only(i: int):
-        return indexer.indexer_logits(x["qs"][i], *args, x["layout"], x["table"], topk=topk, ratio=4)
+        return indexer.indexer_logits(x["qs"][i], *args, x["layout"], x["table"], topk=topk, ratio=4, **(tuning or {}))
 
     def full(i: int):
+        if tuning:
+            return indexer.indexer_topk(x["qs"][i], *args, x["layout"], x["table"], topk=topk, ratio=4, **tuning)
         return backend.indexer_topk(x["qs"][i], *args, x["table"], topk=topk, key_format=key_format)
 
     return logits_only, full, x["key_bytes"]
 
 
 def bench_indexer_decode(ceil: dict[str, float], batch: int = 128, context: int = 131072, topk: int = 512,
-                         key_format: str = "indexer_mxfp4", device: str = "cuda") -> dict[str, Any]:
-    logits_only, full, key_bytes = indexer_decode_calls(batch, context, topk, key_format, device)
+                         key_format: str = "indexer_mxfp4", device: str = "cuda",
+                         tuning: dict | None = None) -> dict[str, Any]:
+    logits_only, full, key_bytes = indexer_decode_calls(batch, context, topk, key_format, device, tuning)
     ms_logits = time_cuda(logits_only, rotations=2)
     graph_logits = time_cuda_graph(logits_only, rotations=2, reps=10)
     ms = time_cuda(full, rotations=2)
     graph_ms = time_cuda_graph(full, rotations=2, reps=10)
-    row = {"name": f"indexer decode b={batch} ctx={context} {key_format} top{topk}", "ms": ms,
+    row = {"name": f"indexer decode b={batch} ctx={context} {key_format} top{topk}"
+                   + "".join(f" {k}={v}" for k, v in (tuning or {}).items()), "ms": ms,
            "graph_ms": graph_ms, "key_bytes": key_bytes, "gbs": key_bytes / graph_ms / 1e6, "logits_ms": ms_logits,
            "logits_graph_ms": graph_logits, "logits_gbs": key_bytes / graph_logits / 1e6}
     return _fractions(row, ceil)
@@ -431,6 +437,9 @@ def run_benchmarks(ceil: dict[str, float], tuning_decode: dict | None = None,
         lambda: bench_compressor(ceil, lengths=PACKED),
         lambda: bench_indexer_decode(ceil),
         lambda: bench_indexer_decode(ceil, key_format="indexer_fp8"),
+        # mxfp4 keys through tl.dot_scaled: the default where the device has microscaling MMAs (sm_100,
+        # gfx950); elsewhere Triton upcasts both operands to bf16 first.
+        lambda: bench_indexer_decode(ceil, tuning={"mx_scaled": True}),
     ]
     for job in jobs:
         try:

@@ -227,9 +227,11 @@ def _key_cache(key_format: str, entries: int, block: int):
     return codec, cache, table
 
 
-def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16, served_q: bool = False):
+def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: int = 16, served_q: bool = False,
+                     mx_scaled: bool | None = None):
     """Top-k rows vs float64 scores; ``served_q``: q and w from ``indexer_q`` of the key format's profile
-    (the fp8 tensor-core path; random bf16 q takes the bf16 path), plus every visible logit checked."""
+    (the fp8 tensor-core path; random bf16 q takes the bf16 path), plus every visible logit checked.
+    ``mx_scaled``: given, the Triton indexer's own top-k with that ``indexer_logits`` choice."""
     block = 64
     codec, cache, table = _key_cache(key_format, context // 4, block)
     pos = torch.randint(0, context, (t,), device=DEV)
@@ -242,12 +244,18 @@ def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: i
         profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
         wts = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
         q, w = B.indexer_q((q.float() * 3).to(torch.bfloat16), wts, pos, cos_sin(65536), profile=profile)
-    out = B.indexer_topk(q, w, pos, req, cache, table, topk=topk, key_format=key_format).cpu()
+    from dsv4.backends.triton import indexer as tix
+    from dsv4.backends.triton.layout import key_layout
+    tuning = {} if mx_scaled is None else {"mx_scaled": mx_scaled}
+    if tuning:
+        out = tix.indexer_topk(q, w, pos, req, cache, key_layout(key_format, cache), table, topk=topk, ratio=4,
+                               **tuning).cpu()
+    else:
+        out = B.indexer_topk(q, w, pos, req, cache, table, topk=topk, key_format=key_format).cpu()
     worst = 0.0
     if served_q:
-        from dsv4.backends.triton import indexer as tix
-        from dsv4.backends.triton.layout import key_layout
-        logits = tix.indexer_logits(q, w, pos, req, cache, key_layout(key_format, cache), table, topk=topk, ratio=4)
+        logits = tix.indexer_logits(q, w, pos, req, cache, key_layout(key_format, cache), table, topk=topk, ratio=4,
+                                    **tuning)
     for i in range(t):
         vis = int(pos[i] + 1) // 4
         row = out[i]
@@ -442,6 +450,9 @@ def main() -> None:
         check(f"indexer_topk {fmt} served q (fp8 MMA path)", chk_indexer_topk, fmt, 512, 8192, 16, True)
         check(f"indexer_topk {fmt} served q, 4K context (rows of 1024: sort path)",
               chk_indexer_topk, fmt, 512, 4096, 64, True)
+    for context, t in ((8192, 16), (4096, 64)):
+        check(f"indexer_topk indexer_mxfp4 served q {context // 1024}K, tl.dot_scaled", chk_indexer_topk,
+              "indexer_mxfp4", 512, context, t, True, True)
     for fmt in ("indexer_fp8", "indexer_mxfp4"):
         check(f"indexer_topk {fmt} served q in a CUDA graph", chk_indexer_graph, fmt)
     for fp8 in (False, True):

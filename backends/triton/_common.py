@@ -27,6 +27,7 @@ __all__ = [
     "device_facts",
     "dot_dtype",
     "encode_e4m3",
+    "facts_of",
     "fp4_code",
     "gdc_launch_dependents",
     "gdc_wait",
@@ -52,6 +53,7 @@ class DeviceFacts:
     pdl: bool  # programmatic dependent launch (griddepcontrol): sm_90+ CUDA with Triton's GDC intrinsics
     tma: bool  # tensor-memory-accelerator copies (host TMA descriptors): sm_90+ CUDA
     wgmma: bool  # Hopper's warpgroup MMA, setmaxnreg and cp.async mbarrier arrivals: sm_90 CUDA exactly
+    mx_mma: bool = False  # microscaling MMAs (tl.dot_scaled e2m1 x e4m3 without an upcast): sm_100/103, gfx950
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -66,11 +68,18 @@ def device_facts(device: torch.device) -> DeviceFacts:
 def _device_facts(device_type: str, index: int | None) -> DeviceFacts:
     if device_type != "cuda" or INTERPRET:
         return DeviceFacts(4, False, False, False, False, False)
-    props = torch.cuda.get_device_properties(index)
-    cuda = torch.version.hip is None
-    return DeviceFacts(props.multi_processor_count, cuda and (props.major, props.minor) >= (8, 9), cuda,
-                       cuda and props.major >= 9 and gdc_wait is not None, cuda and props.major >= 9,
-                       cuda and (props.major, props.minor) == (9, 0))
+    return facts_of(torch.cuda.get_device_properties(index), hip=torch.version.hip is not None)
+
+
+def facts_of(props: object, *, hip: bool) -> DeviceFacts:
+    """``DeviceFacts`` from ``torch.cuda.get_device_properties`` fields (``major``, ``minor``,
+    ``multi_processor_count``; ``gcnArchName`` on ROCm, e.g. "gfx950:sramecc+:xnack-")."""
+    major, minor = props.major, props.minor
+    cuda = not hip
+    mx_mma = major == 10 if cuda else getattr(props, "gcnArchName", "").split(":")[0] == "gfx950"
+    return DeviceFacts(props.multi_processor_count, cuda and (major, minor) >= (8, 9), cuda,
+                       cuda and major >= 9 and gdc_wait is not None, cuda and major >= 9,
+                       cuda and (major, minor) == (9, 0), mx_mma)
 
 
 def dot_dtype() -> torch.dtype:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from dsv4.backends.triton._common import (
     INTERPRET,
+    DeviceFacts,
     ceil_log2_exponent,
     decode_e4m3,
     device_facts,
@@ -29,12 +30,13 @@ from dsv4.backends.triton._common import (
     to_bf16,
     word_bytes,
 )
-from dsv4.backends.triton.indexer_mx import _key_rows, _mx_tiles
+from dsv4.backends.triton.indexer_mx import _key_rows, _mx_tiles, _mx_tiles_scaled
 from dsv4.backends.triton.indexer_tma import _fp8_tiles_tma, key_descriptor, tma_usable
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
-__all__ = ["indexer_logits", "indexer_q", "indexer_topk", "q_codes", "topk_indices"]
+__all__ = ["default_block_entries", "indexer_logits", "indexer_q", "indexer_topk", "mx_scaled_path", "q_codes",
+           "topk_indices"]
 
 _QUANT_FP4, _QUANT_FP8 = 0, 1
 TMA_STAGES = 8  # pipeline depth of the fp8 TMA key tiles: 4 boxes in flight (H200 sweep in docs/triton.md)
@@ -264,12 +266,14 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                            key_desc, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
                            QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
                            IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr,
-                           W: tl.constexpr, MX_FP16: tl.constexpr, TMA: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           W: tl.constexpr, MX_FP16: tl.constexpr, TMA: tl.constexpr, MX_SCALED: tl.constexpr,
+                           DOT_DTYPE: tl.constexpr):
     """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key tiles
     through the tensor cores with relu and the weighted head sum fused; keys are read once from their
     pages (the bytes floor), logits written once. FP8: when the token's q is exactly e4m3 after its shift
     (``exact_ptr``, see _q_codes_kernel; always for FP4- / FP8-quantized q) fp8 keys take the fp8 MMAs
-    (``_fp8_tiles``) and mxfp4 keys one bf16 MMA a tile (``_mx_tiles``); else the bf16 path. W: warps."""
+    (``_fp8_tiles``) and mxfp4 keys one bf16 MMA a tile (``_mx_tiles``; MX_SCALED: one ``tl.dot_scaled``,
+    ``_mx_tiles_scaled``); else the bf16 path. W: warps."""
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * chunk
     hi = tl.minimum(lo + chunk, max_entries)
@@ -289,7 +293,11 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
         if FP8:
             if tl.load(exact_ptr + t) != 0:
                 w2 = tl.load(w2_ptr + t * num_heads + heads, mask=head_ok, other=0.0)
-                if MXFP4:
+                if MXFP4 and MX_SCALED:
+                    _mx_tiles_scaled(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, u8_ptr, block_size,
+                                     page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end,
+                                     hi, D, BN)
+                elif MXFP4:
                     _mx_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
                               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
                               D, BN, PAGE_TILE, W, PREFETCH, MX_FP16, DOT_DTYPE)
@@ -353,12 +361,30 @@ def q_codes(q: torch.Tensor, w: torch.Tensor, *, mxfp4: bool) -> tuple[torch.Ten
     return codes, w2, exact
 
 
+def mx_scaled_path(facts: DeviceFacts, layout: KeyLayout, dim: int, requested: bool | None) -> bool:
+    """Whether ``indexer_logits`` scores mxfp4 keys through ``tl.dot_scaled`` (``_mx_tiles_scaled``):
+    ``requested``, or by default where the device has microscaling MMAs (``facts.mx_mma``), and only for
+    a geometry whose packed rows (D/2 bytes) start 16-byte aligned and whose D/32 UE8M0 bytes a key lie
+    contiguous (SPEC §9.3's mxfp4 pages)."""
+    if layout.format_name != "indexer_mxfp4" or not (facts.mx_mma if requested is None else requested):
+        return False
+    return layout.quant_block == 32 and layout.value_bytes == dim // 2 and layout.scale_bytes == dim // 32 \
+        and layout.value_bytes % 16 == 0 and layout.page_stride % 16 == 0 and layout.scale_offset % 4 == 0
+
+
+def default_block_entries(mx_scaled: bool) -> int:
+    """Key tile of ``indexer_logits``: 32 under the interpreter; 128 for ``tl.dot_scaled`` (sm_100's
+    block-scaled MMA needs M >= 128: Triton lowers a smaller tile to a bf16 MMA on upcast operands); else 64."""
+    return 32 if INTERPRET else 128 if mx_scaled else 64
+
+
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
                    imprecise: int | None = None, maxnreg: int | None = None,
-                   prefetch: int = 1, mx_fp16: bool = False, tma: bool | None = None) -> torch.Tensor:
+                   prefetch: int = 1, mx_fp16: bool = False, tma: bool | None = None,
+                   mx_scaled: bool | None = None) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
@@ -372,6 +398,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     benchmarks; the default grid fills the device. ``tma``: key tiles of the fp8 path as TMA boxes pipelined
     over ``num_stages`` buffers (``indexer_tma``; default: on sm_90+ CUDA and the interpreter where tiles
     never cross a page; fp8 keys only, see ``indexer_tma``); False: pointer loads prefetched in registers.
+    ``mx_scaled``: mxfp4 keys through ``tl.dot_scaled`` (``_mx_tiles_scaled``: no decode where the device has
+    microscaling MMAs; default: where it does, ``DeviceFacts.mx_mma``); False: the integer decode to bf16.
     """
     num_tokens, heads, dim = q.shape
     max_entries = key_block_table.shape[1] * layout.block_size
@@ -381,13 +409,15 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     facts = device_facts(q.device)
     sms, hw_e4m3 = facts.num_sms, facts.hw_e4m3
     mxfp4 = layout.format_name == "indexer_mxfp4"
+    mx_scaled = mx_scaled_path(facts, layout, dim, mx_scaled)
     if fp8 is None:
-        fp8 = hw_e4m3 or INTERPRET
+        fp8 = hw_e4m3 or INTERPRET or mx_scaled
     # The fp8 path reads 4-byte scale words and assumes four scale blocks a key (SPEC §9.3 geometry).
-    fp8 = bool(fp8) and (hw_e4m3 or INTERPRET) and key_cache.shape[1] % 4 == 0 and layout.scale_offset % 4 == 0 \
-        and layout.value_bytes % 4 == 0 \
+    fp8 = bool(fp8) and (hw_e4m3 or INTERPRET or mx_scaled) and key_cache.shape[1] % 4 == 0 \
+        and layout.scale_offset % 4 == 0 and layout.value_bytes % 4 == 0 \
         and (not mxfp4 or (dim // layout.quant_block == 4 and layout.scale_bytes == 4))
-    bn = block_entries or (32 if INTERPRET else 64)
+    mx_scaled = mx_scaled and fp8
+    bn = block_entries or default_block_entries(mx_scaled)
     tiles = -(-max_entries // bn)
     # Programs per multiprocessor (at least 4 tiles each: q is read once a program). H200, b=128 at 128K
     # (graph ms): bf16 path 4/SM 0.44, 16/SM 0.38; fp8 mxfp4 splits 17: 0.297, 9: 0.267, 6: 0.253,
@@ -400,12 +430,12 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     w = w.contiguous()
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
     hp = max(16, triton.next_power_of_2(heads))
-    codes, w2, exact = q_codes(q, w, mxfp4=mxfp4) if fp8 else (q, w, w)
+    codes, w2, exact = q_codes(q, w, mxfp4=mxfp4 and not mx_scaled) if fp8 else (q, w, w)
     use_tma = fp8 and (facts.tma or INTERPRET if tma is None else tma) and tma_usable(key_cache, layout, bn)
     desc = key_descriptor(key_cache, layout, bn) if use_tma else None
     # The pointer fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after
     # issuing it); TMA boxes are multi-buffered by the pipeliner.
-    stages = num_stages or (TMA_STAGES if use_tma else 1 if fp8 else 3)
+    stages = num_stages or (TMA_STAGES if use_tma else 1 if fp8 and not mx_scaled else 3)
     extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": stages}
     if maxnreg and not INTERPRET:
         extra["maxnreg"] = maxnreg
@@ -416,7 +446,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
         HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
         PAGE_TILE=layout.block_size % bn == 0, PREFETCH=prefetch,
         W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16), TMA=use_tma,
-        DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
+        MX_SCALED=mx_scaled, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
 

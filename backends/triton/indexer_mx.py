@@ -9,11 +9,19 @@ applied to the score), so blocks within 133 binades (fp16: 24) of a key's larges
 """
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 from dsv4.backends.triton._common import decode_e4m3, pow2_from_exponent
 
-__all__ = ["_key_rows", "_mx_tiles"]
+__all__ = ["RUNTIME_ZERO_ACC", "_key_rows", "_mx_tiles", "_mx_tiles_scaled"]
+
+# Triton 3.6's zero-accumulator rewrite fails on the sm_100 block-scaled MMA ("uninitialized alloc must have
+# a mutable memdesc"); 3.9 compiles it. Before 3.9 (3.7 / 3.8 not checked) _mx_tiles_scaled starts each tile
+# from a runtime zero, which costs a register fill and a tensor-memory store a tile (sm_100 SASS: 402
+# instructions a 128-key tile against 338).
+RUNTIME_ZERO_ACC = tl.constexpr(tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) < (3, 9))
 
 
 @triton.jit
@@ -236,3 +244,45 @@ def _mx_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size, page_s
         else:
             pg_b, in_b = pg_c, in_c
             pid_c, in_c = _advance(pid_c, in_c, BN, block_size)
+
+
+@triton.jit
+def _mx_tiles_scaled(codes_row, heads, head_ok, w2, bt_row, u8_ptr, block_size, page_stride, value_bytes,
+                     scale_offset, scale_bytes, out_row, lo, scored_end, hi, D: tl.constexpr, BN: tl.constexpr):
+    """Scores of mxfp4 entries [lo, scored_end) through ``tl.dot_scaled`` (q exact, see _q_codes_kernel
+    with no 2**-6 fold): the packed nibbles [BN, D/2] and UE8M0 bytes [BN, D/32] go to the MMA as they
+    lie in the page (element 2i in the low nibble, SPEC §9.3, is dot_scaled's packing), q's e4m3 codes
+    [D, HP] unscaled.
+
+    Where the target has microscaling MMAs (``DeviceFacts.mx_mma``: sm_100 / sm_103, gfx950) the keys
+    are never decoded: one e2m1 x e4m3 MMA a tile with the block scales applied by the tensor core.
+    Elsewhere Triton upcasts both operands to bf16 first (exact: e2m1 * 2**(s-127) and e4m3 fit bf16
+    for every finite scale), and the interpreter computes it in fp32. Products are exact, sums fp32.
+    """
+    offs = tl.arange(0, BN)
+    half_w = w2 * 0.5  # (x + |x|) (w / 2) = relu(x) w: exact doubling and halving
+    kq = tl.arange(0, D)
+    q = tl.trans(tl.load(codes_row + heads[:, None] * D + kq[None, :], mask=head_ok[:, None], other=0))
+    kb = tl.arange(0, D // 2)
+    ks = tl.arange(0, D // 32)
+    # Triton lowers dot_scaled to the block-scaled MMA (sm_100) only when both operands carry scales: q's
+    # are 2**0 (3.6 and 3.9: with None, a bf16 MMA on upcast operands).
+    unit = tl.full([q.shape[1], D // 32], 127, tl.uint8)
+    zero = tl.zeros([BN, q.shape[1]], tl.float32) + (lo < 0).to(tl.float32)  # 0, not a constant
+    for start in range(lo, scored_end, BN):
+        j = start + offs
+        valid = j < scored_end
+        page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
+        valid = valid & (page >= 0)
+        base = tl.where(valid, page, 0).to(tl.int64) * page_stride
+        in_page = j % block_size
+        row = tl.multiple_of(base + in_page * value_bytes, 16)
+        keys = tl.load(u8_ptr + row[:, None] + kb[None, :], mask=valid[:, None], other=0)
+        srow = tl.multiple_of(base + scale_offset + in_page * scale_bytes, 4)
+        scales = tl.load(u8_ptr + srow[:, None] + ks[None, :], mask=valid[:, None], other=127)
+        if RUNTIME_ZERO_ACC:
+            acc = tl.dot_scaled(keys, scales, "e2m1", q, unit, "e4m3", acc=zero)  # [BN, HP] fp32
+        else:
+            acc = tl.dot_scaled(keys, scales, "e2m1", q, unit, "e4m3")
+        score = tl.sum((acc + tl.abs(acc)) * half_w[None, :], 1)  # relu on the FMA pipe, same bits
+        tl.store(out_row + j, tl.where(valid, score, float("-inf")), mask=j < hi)

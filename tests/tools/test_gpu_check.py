@@ -33,3 +33,12 @@ def test_indexer_topk_check_catches_a_worse_pick(monkeypatch) -> None:
     monkeypatch.setattr(gpu_check.B, "indexer_topk", first_entries)
     with pytest.raises(AssertionError, match="picks a worse entry"):
         gpu_check.chk_indexer_topk("indexer_fp8", 8, 256, 4)
+
+
+def test_indexer_topk_check_dot_scaled(monkeypatch) -> None:
+    """The H200 run's dot_scaled check (mxfp4 keys through tl.dot_scaled, the interpreter's fp32 here): top-k
+    rows and every visible logit against float64 scores."""
+    monkeypatch.setattr(gpu_check, "DEV", "cpu")
+    torch.manual_seed(0)
+    detail = gpu_check.chk_indexer_topk("indexer_mxfp4", 8, 256, 4, True, True)
+    assert detail.startswith("max logit error") and float(detail.split()[3]) <= 1e-5

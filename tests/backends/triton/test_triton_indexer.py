@@ -58,17 +58,18 @@ def test_indexer_topk_tie_aware(key_format: str) -> None:
         assert torch.all(scores[valid.long()] >= kth - slack)
 
 
-@pytest.mark.parametrize("key_format,block_entries,num_splits,served,tma", [
-    ("indexer_mxfp4", 16, 3, False, None),  # several programs per token, ranges ending mid-page
-    ("indexer_mxfp4", 32, 1, False, None),
-    ("indexer_fp8", 16, 2, False, None),
-    ("indexer_mxfp4", 16, 3, True, None),  # served q: the e4m3 path (mxfp4: bf16 MMAs on decoded keys)
-    ("indexer_fp8", 16, 2, True, True),  # fp8 keys as TMA boxes, two a page
-    ("indexer_fp8", 16, 2, True, False),  # ... as pointer loads
-    ("indexer_fp8", 64, 1, True, True),  # one box a page
+@pytest.mark.parametrize("key_format,block_entries,num_splits,served,tma,mx_scaled", [
+    ("indexer_mxfp4", 16, 3, False, None, None),  # several programs per token, ranges ending mid-page
+    ("indexer_mxfp4", 32, 1, False, None, None),
+    ("indexer_fp8", 16, 2, False, None, None),
+    ("indexer_mxfp4", 16, 3, True, None, False),  # served q: the e4m3 path (mxfp4: bf16 MMAs on decoded keys)
+    ("indexer_mxfp4", 16, 3, True, None, True),  # ... mxfp4 through tl.dot_scaled
+    ("indexer_fp8", 16, 2, True, True, None),  # fp8 keys as TMA boxes, two a page
+    ("indexer_fp8", 16, 2, True, False, None),  # ... as pointer loads
+    ("indexer_fp8", 64, 1, True, True, None),  # one box a page
 ])
 def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_splits: int, served: bool,
-                                     tma: bool | None) -> None:
+                                     tma: bool | None, mx_scaled: bool | None) -> None:
     """Every logit of the tiled kernel vs float64 reference scores (SPEC §6.3): visible entries scored,
     -inf past (p+1)//4 and on unmapped pages (an out-of-bounds TMA box), 0 / -inf on short-context rows.
     ``served``: q and w from ``indexer_q`` (exact e4m3 codes: the fp8 / mxfp4 tensor-core paths)."""
@@ -99,7 +100,7 @@ def test_indexer_logits_vs_reference(key_format: str, block_entries: int, num_sp
     layout = key_layout(key_format, cache)
     assert not tma or tma_usable(cache, layout, block_entries)  # the box path is the one tested
     logits = indexer_logits(q, w, positions, token_request, cache, layout, table, topk=topk, ratio=4,
-                            block_entries=block_entries, num_splits=num_splits, tma=tma)
+                            block_entries=block_entries, num_splits=num_splits, tma=tma, mx_scaled=mx_scaled)
     assert logits.shape == (6, pages * block)
     for t in range(6):
         visible = int(positions[t] + 1) // 4
@@ -155,7 +156,8 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, block_entries=16, tma=False),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, mx_fp16=True, block_entries=32),
                 indexer_logits(qq, w, *args, topk=4, ratio=4, fp8=True, prefetch=1, imprecise=128, block_entries=32,
-                               num_splits=2)]
+                               num_splits=2),
+                indexer_logits(qq, w, *args, topk=4, ratio=4, mx_scaled=True, block_entries=16, num_splits=3)]
         for got in runs:
             assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
             finite = torch.isfinite(expected)
@@ -163,12 +165,14 @@ def test_indexer_logits_fp8_path(key_format: str) -> None:
             torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize(("kind", "mx_fp16", "block_entries"), [
-    ("spread0", False, 32), ("spread11", False, 32), ("spread12", False, 32), ("mixed", False, 32),
-    ("extreme", False, 32), ("spread134", False, 32), ("spread12", True, 32), ("extreme", True, 32),
-    ("spread134", False, 16)])  # 16: tiles inside a page (the page-tile addressing)
-def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool, block_entries: int) -> None:
-    """mxfp4 keys on the tensor-core path (bf16 operands, or fp16 with ``mx_fp16``) vs the float64 reference
+@pytest.mark.parametrize(("kind", "mx_fp16", "block_entries", "mx_scaled"), [
+    ("spread0", False, 32, False), ("spread11", False, 32, False), ("spread12", False, 32, False),
+    ("mixed", False, 32, False), ("extreme", False, 32, False), ("spread134", False, 32, False),
+    ("spread12", True, 32, False), ("extreme", True, 32, False),
+    ("spread134", False, 16, False),  # 16: tiles inside a page (the page-tile addressing)
+    ("mixed", False, 32, True), ("extreme", False, 16, True), ("spread134", False, 32, True)])  # tl.dot_scaled
+def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool, block_entries: int, mx_scaled: bool) -> None:
+    """mxfp4 keys on the tensor-core paths (bf16 operands, fp16 with ``mx_fp16``, ``tl.dot_scaled``) vs the float64 reference
     on adversarial UE8M0 scale bytes written in place (equal, 11 / 12 / 134 binades apart in a row, one
     far row in a tile, anything in 40..199): within 1e-5 of each row's largest score."""
     from dsv4.backends.triton.indexer import indexer_logits
@@ -204,9 +208,46 @@ def test_indexer_logits_mxfp4_scales(kind: str, mx_fp16: bool, block_entries: in
     expected = indexer_scores(q.double(), w.double(), rows)
     expected[1, 50:] = float("-inf")
     got = indexer_logits(q, w, positions, torch.zeros(2, dtype=torch.int32), cache, key_layout("indexer_mxfp4", cache),
-                         table, topk=4, ratio=4, fp8=True, block_entries=block_entries, mx_fp16=mx_fp16).double()
+                         table, topk=4, ratio=4, fp8=True, block_entries=block_entries, mx_fp16=mx_fp16,
+                         mx_scaled=mx_scaled).double()
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(got), finite)
     for t in range(2):
         scale = expected[t][finite[t]].abs().max()
         assert (got[t][finite[t]] - expected[t][finite[t]]).abs().max() <= 1e-5 * scale, f"token {t}"
+
+
+@pytest.mark.parametrize(("major", "minor", "arch", "mx_mma"), [
+    (9, 0, None, False), (10, 0, None, True), (10, 3, None, True), (12, 0, None, False), (8, 9, None, False),
+    (9, 5, "gfx950:sramecc+:xnack-", True), (9, 4, "gfx942:sramecc+:xnack-", False)])
+def test_mx_mma_devices(major: int, minor: int, arch: str | None, mx_mma: bool) -> None:
+    """Microscaling MMAs are claimed for sm_100 / sm_103 and gfx950 only (everything else upcasts)."""
+    from types import SimpleNamespace
+
+    from dsv4.backends.triton._common import facts_of
+
+    props = SimpleNamespace(major=major, minor=minor, multi_processor_count=132,
+                            **({} if arch is None else {"gcnArchName": arch}))
+    facts = facts_of(props, hip=arch is not None)
+    assert facts.mx_mma is mx_mma
+    assert facts.wgmma is (arch is None and (major, minor) == (9, 0))
+
+
+def test_mx_scaled_path_selection() -> None:
+    """mxfp4 keys take tl.dot_scaled by default only with microscaling MMAs; asked for, on any device; never
+    for fp8 keys or a page whose packed rows would not start 16-byte aligned."""
+    from dataclasses import replace
+
+    from dsv4.backends.triton._common import DeviceFacts
+    from dsv4.backends.triton.indexer import mx_scaled_path
+    from dsv4.backends.triton.layout import key_layout
+
+    hopper = DeviceFacts(132, True, True, True, True, True)
+    blackwell = replace(hopper, wgmma=False, mx_mma=True)
+    mx = key_layout("indexer_mxfp4", get_codec("indexer_mxfp4").allocate(2, 64))
+    fp8 = key_layout("indexer_fp8", get_codec("indexer_fp8").allocate(2, 64))
+    assert mx_scaled_path(blackwell, mx, 128, None) and not mx_scaled_path(hopper, mx, 128, None)
+    assert mx_scaled_path(hopper, mx, 128, True) and not mx_scaled_path(blackwell, mx, 128, False)
+    assert not mx_scaled_path(blackwell, fp8, 128, None)
+    odd = key_layout("indexer_mxfp4", get_codec("indexer_mxfp4").allocate(2, 3))  # 3 x 68 B pages
+    assert odd.page_stride % 16 and not mx_scaled_path(blackwell, odd, 128, True)

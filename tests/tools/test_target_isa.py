@@ -1,0 +1,28 @@
+"""tools/target_isa.py: the mxfp4 indexer's default lowering per target, compiled on CPU by Triton (a fresh
+process: the kernels must be real JIT functions, not the interpreter's)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "target_isa.py"
+
+
+def _run(*targets: str) -> dict[str, str]:
+    out = subprocess.run([sys.executable, str(TOOL), *targets], capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split(None, 1) for line in out.stdout.splitlines()[1:]]
+    return {name: rest for name, rest in rows}
+
+
+def test_block_scaled_mma_where_the_target_has_one() -> None:
+    """sm_100 and gfx950 score mxfp4 keys with block-scaled MMAs (no decode); sm_90 and gfx942 have none, and
+    their kernels keep the decode / dequantized paths. Fails if dot_scaled loses its q scales or its 128-key
+    tile (Triton then lowers it to bf16 MMAs on upcast operands) or if the device facts stop selecting it."""
+    rows = _run("sm_90", "sm_100", "gfx950", "gfx942")
+    assert "tl.dot_scaled" in rows["sm_100"] and "kind::mxf8f6f4.block_scale" in rows["sm_100"]
+    assert "tl.dot_scaled" in rows["gfx950"] and "v_mfma_scale_f32" in rows["gfx950"] and "f8f6f4" in rows["gfx950"]
+    assert "integer decode" in rows["sm_90"] and "wgmma" in rows["sm_90"] and "block_scale" not in rows["sm_90"]
+    assert "v_mfma_scale" not in rows["gfx942"] and "v_mfma_f32" in rows["gfx942"]
