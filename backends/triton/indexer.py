@@ -6,7 +6,8 @@ place from the fp8 / mxfp4 pages through the block table, ``-inf`` past ``(p+1)/
 per (token, range of entries) holds q once and streams key tiles through the tensor cores. When q is
 exactly e4m3 after a per-head power-of-two shift (FP4- or FP8-quantized q, as indexer_q leaves it):
 fp8 keys as e4m3 codes on the fp8 MMAs; mxfp4 keys decoded with their block scales into bf16 by integer
-ops, one K=128 bf16 MMA a tile (``_mx_tiles``). Otherwise dequantized bf16 operands. ``topk.py`` then
+ops, one K=128 bf16 MMA a tile (``_mx_tiles``), or, where the device has block-scaled MMAs, one
+``tl.dot_scaled`` a tile on the packed keys (``_mx_tiles_scaled``). Otherwise dequantized bf16 operands. ``topk.py`` then
 selects the top-k of each row. Rows whose visible count is <= topk skip scoring (SPEC §6.3
 short-context shortcut).
 """

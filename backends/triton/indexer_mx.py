@@ -6,6 +6,9 @@ fp16) operand registers by integer ops and one packed multiply (``_mx_keys``), t
 fp32 accumulation, relu and the weighted head sum; products are exact and sums fp32 (the precision of
 the per-block fp8 kernel it replaces). Keys are normalised to their largest block scale (a power of two
 applied to the score), so blocks within 133 binades (fp16: 24) of a key's largest are exact.
+
+``_mx_tiles_scaled``: the same scores through ``tl.dot_scaled``, keys and scale bytes as they lie in the
+page; the default where the device has block-scaled MMAs (sm_100 / sm_103, gfx950), where no key is decoded.
 """
 from __future__ import annotations
 
