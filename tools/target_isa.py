@@ -1,6 +1,6 @@
 """Which MMA instructions the Triton indexer's mxfp4 path compiles to on a target, without its hardware.
 
-``python tools/target_isa.py [sm_90 sm_100 gfx950 gfx942]`` compiles ``_indexer_logits_kernel`` for each
+``python tools/target_isa.py [sm_90 sm_100 sm_103 sm_120 gfx950 gfx942]`` compiles ``_indexer_logits_kernel`` for each
 target with the constexprs ``indexer_logits`` picks there for mxfp4 keys (``mx_scaled_path`` on that
 target's ``DeviceFacts``, ``default_block_entries``) and prints the MMA mnemonics of its PTX (NVIDIA) or
 AMDGCN (AMD) with their counts. Triton's own compiler and bundled ptxas do this on a CPU machine; the
@@ -8,8 +8,10 @@ tests run it (``tests/tools/test_target_isa.py``).
 
 What it shows (Triton 3.9 here, 3.6 on the H200 machine): on sm_100 the mxfp4 tiles are block-scaled
 ``tcgen05.mma ... kind::mxf8f6f4`` (e2m1 keys x e4m3 q, UE8M0 scales applied by the tensor core, no
-decode), on gfx950 ``v_mfma_scale_f32_*_f8f6f4``. sm_90 has no such instruction: the default there is
-the integer decode to bf16 (``_mx_tiles``); gfx942 (no OCP e4m3 MMA path here) dequantizes keys to bf16.
+decode; sm_103 the same), on gfx950 ``v_mfma_scale_f32_*_f8f6f4``. sm_90 has no such instruction: the
+default there is the integer decode to bf16 (``_mx_tiles``), as on sm_120, where Triton (3.6, 3.9) lowers
+``dot_scaled`` to bf16 ``mma.sync`` on upcast operands; gfx942 (no OCP e4m3 MMA path here) dequantizes
+keys to bf16.
 Every kernel also holds the bf16 fallback for q that is not exactly e4m3 (plain bf16 MMAs). It proves the
 lowering, not the speed: nothing ran.
 """
@@ -31,6 +33,8 @@ import triton.language as tl
 TARGETS = {
     "sm_90": ("cuda", 90, 32, SimpleNamespace(major=9, minor=0, multi_processor_count=132)),
     "sm_100": ("cuda", 100, 32, SimpleNamespace(major=10, minor=0, multi_processor_count=148)),
+    "sm_103": ("cuda", 103, 32, SimpleNamespace(major=10, minor=3, multi_processor_count=148)),
+    "sm_120": ("cuda", 120, 32, SimpleNamespace(major=12, minor=0, multi_processor_count=188)),
     "gfx950": ("hip", "gfx950", 64, SimpleNamespace(major=9, minor=5, multi_processor_count=256,
                                                    gcnArchName="gfx950:sramecc+:xnack-")),
     "gfx942": ("hip", "gfx942", 64, SimpleNamespace(major=9, minor=4, multi_processor_count=304,

@@ -18,11 +18,13 @@ def _run(*targets: str) -> dict[str, str]:
 
 
 def test_block_scaled_mma_where_the_target_has_one() -> None:
-    """sm_100 and gfx950 score mxfp4 keys with block-scaled MMAs (no decode); sm_90 and gfx942 have none, and
-    their kernels keep the decode / dequantized paths. Fails if dot_scaled loses its q scales or its 128-key
+    """sm_100 / sm_103 and gfx950 score mxfp4 keys with block-scaled MMAs (no decode); sm_90, sm_120 and
+    gfx942 have none, and their kernels keep the decode / dequantized paths. Fails if dot_scaled loses its q scales or its 128-key
     tile (Triton then lowers it to bf16 MMAs on upcast operands) or if the device facts stop selecting it."""
-    rows = _run("sm_90", "sm_100", "gfx950", "gfx942")
-    assert "tl.dot_scaled" in rows["sm_100"] and "kind::mxf8f6f4.block_scale" in rows["sm_100"]
+    rows = _run("sm_90", "sm_100", "sm_103", "sm_120", "gfx950", "gfx942")
+    for sm in ("sm_100", "sm_103"):
+        assert "tl.dot_scaled" in rows[sm] and "kind::mxf8f6f4.block_scale" in rows[sm]
+    assert "integer decode" in rows["sm_120"] and "block_scale" not in rows["sm_120"]
     assert "tl.dot_scaled" in rows["gfx950"] and "v_mfma_scale_f32" in rows["gfx950"] and "f8f6f4" in rows["gfx950"]
     assert "integer decode" in rows["sm_90"] and "wgmma" in rows["sm_90"] and "block_scale" not in rows["sm_90"]
     assert "v_mfma_scale" not in rows["gfx942"] and "v_mfma_f32" in rows["gfx942"]
