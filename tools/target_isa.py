@@ -62,7 +62,7 @@ def _signature(fn, constexprs: dict, ints: dict, ptrs: dict) -> tuple[dict, dict
 def indexer_mx_constexprs(target: str) -> tuple[dict, dict]:
     """(constexprs, options) of ``indexer_logits`` for served q and mxfp4 keys (64-entry pages) on ``target``."""
     from dsv4.backends.triton._common import facts_of
-    from dsv4.backends.triton.indexer import default_block_entries, mx_scaled_path
+    from dsv4.backends.triton.indexer import default_block_entries, mx_scaled_path, page_shift
     from dsv4.backends.triton.layout import key_layout
     from dsv4.codecs import get_codec
 
@@ -74,7 +74,8 @@ def indexer_mx_constexprs(target: str) -> tuple[dict, dict]:
     bn = default_block_entries(mx)
     constexprs = {"D": 128, "HP": 64, "BN": bn, "MXFP4": True, "QBLOCK": 32, "HW_E4M3": facts.hw_e4m3, "FP8": fp8,
                   "IMPRECISE": 32, "PAGE_TILE": BLOCK % bn == 0, "PREFETCH": 1, "W": min(4, bn // 16),
-                  "MX_FP16": False, "TMA": False, "MX_SCALED": mx, "DOT_DTYPE": tl.bfloat16, "key_desc": None}
+                  "MX_FP16": False, "TMA": False, "MX_SCALED": mx, "PAGE_SHIFT": page_shift(BLOCK) if mx else 0,
+                  "DOT_DTYPE": tl.bfloat16, "key_desc": None}
     return constexprs, {"num_warps": 4, "num_stages": 3 if mx or not fp8 else 1}
 
 

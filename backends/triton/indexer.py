@@ -36,8 +36,8 @@ from dsv4.backends.triton.indexer_tma import _fp8_tiles_tma, key_descriptor, tma
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
-__all__ = ["default_block_entries", "indexer_logits", "indexer_q", "indexer_topk", "mx_scaled_path", "q_codes",
-           "topk_indices"]
+__all__ = ["default_block_entries", "indexer_logits", "indexer_q", "indexer_topk", "mx_scaled_path", "page_shift",
+           "q_codes", "topk_indices"]
 
 _QUANT_FP4, _QUANT_FP8 = 0, 1
 TMA_STAGES = 8  # pipeline depth of the fp8 TMA key tiles: 4 boxes in flight (H200 sweep in docs/triton.md)
@@ -268,7 +268,7 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                            QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
                            IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr,
                            W: tl.constexpr, MX_FP16: tl.constexpr, TMA: tl.constexpr, MX_SCALED: tl.constexpr,
-                           DOT_DTYPE: tl.constexpr):
+                           PAGE_SHIFT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One program per (token, range of ``chunk`` entries): q loaded once, then a loop of BN-key tiles
     through the tensor cores with relu and the weighted head sum fused; keys are read once from their
     pages (the bytes floor), logits written once. FP8: when the token's q is exactly e4m3 after its shift
@@ -297,7 +297,7 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                 if MXFP4 and MX_SCALED:
                     _mx_tiles_scaled(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, u8_ptr, block_size,
                                      page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end,
-                                     hi, D, BN)
+                                     hi, D, BN, PAGE_SHIFT)
                 elif MXFP4:
                     _mx_tiles(codes_ptr + t * num_heads * D, heads, head_ok, w2, bt_row, f32_ptr, block_size,
                               page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
@@ -371,6 +371,11 @@ def mx_scaled_path(facts: DeviceFacts, layout: KeyLayout, dim: int, requested: b
         return False
     return layout.quant_block == 32 and layout.value_bytes == dim // 2 and layout.scale_bytes == dim // 32 \
         and layout.value_bytes % 16 == 0 and layout.page_stride % 16 == 0 and layout.scale_offset % 4 == 0
+
+
+def page_shift(block_size: int) -> int:
+    """log2(block_size) for a power-of-two block size above 1 (page slot and offset by shift and mask), else 0."""
+    return block_size.bit_length() - 1 if block_size > 1 and block_size & (block_size - 1) == 0 else 0
 
 
 def default_block_entries(mx_scaled: bool) -> int:
@@ -447,7 +452,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
         HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
         PAGE_TILE=layout.block_size % bn == 0, PREFETCH=prefetch,
         W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16), TMA=use_tma,
-        MX_SCALED=mx_scaled, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
+        MX_SCALED=mx_scaled, PAGE_SHIFT=page_shift(layout.block_size) if mx_scaled else 0,
+        DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
     return logits
 
 

@@ -251,7 +251,8 @@ def _mx_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size, page_s
 
 @triton.jit
 def _mx_tiles_scaled(codes_row, heads, head_ok, w2, bt_row, u8_ptr, block_size, page_stride, value_bytes,
-                     scale_offset, scale_bytes, out_row, lo, scored_end, hi, D: tl.constexpr, BN: tl.constexpr):
+                     scale_offset, scale_bytes, out_row, lo, scored_end, hi, D: tl.constexpr, BN: tl.constexpr,
+                     PAGE_SHIFT: tl.constexpr):
     """Scores of mxfp4 entries [lo, scored_end) through ``tl.dot_scaled`` (q exact, see _q_codes_kernel
     with no 2**-6 fold): the packed nibbles [BN, D/2] and UE8M0 bytes [BN, D/32] go to the MMA as they
     lie in the page (element 2i in the low nibble, SPEC §9.3, is dot_scaled's packing), q's e4m3 codes
@@ -261,6 +262,10 @@ def _mx_tiles_scaled(codes_row, heads, head_ok, w2, bt_row, u8_ptr, block_size, 
     are never decoded: one e2m1 x e4m3 MMA a tile with the block scales applied by the tensor core.
     Elsewhere Triton upcasts both operands to bf16 first (exact: e2m1 * 2**(s-127) and e4m3 fit bf16
     for every finite scale), and the interpreter computes it in fp32. Products are exact, sums fp32.
+
+    Rows past the scored range or on unmapped pages read page 0's bytes unmasked (in bounds; an MMA row
+    depends on its own key only) and their scores become -inf. PAGE_SHIFT: log2 of a power-of-two
+    block_size (page slot and offset by shift and mask), else 0 (division).
     """
     offs = tl.arange(0, BN)
     half_w = w2 * 0.5  # (x + |x|) (w / 2) = relu(x) w: exact doubling and halving
@@ -275,14 +280,19 @@ def _mx_tiles_scaled(codes_row, heads, head_ok, w2, bt_row, u8_ptr, block_size, 
     for start in range(lo, scored_end, BN):
         j = start + offs
         valid = j < scored_end
-        page = tl.load(bt_row + j // block_size, mask=valid, other=-1)
+        if PAGE_SHIFT > 0:
+            slot = j >> PAGE_SHIFT
+            in_page = j & ((1 << PAGE_SHIFT) - 1)
+        else:
+            slot = j // block_size
+            in_page = j % block_size
+        page = tl.load(bt_row + slot, mask=valid, other=-1)
         valid = valid & (page >= 0)
         base = tl.where(valid, page, 0).to(tl.int64) * page_stride
-        in_page = j % block_size
         row = tl.multiple_of(base + in_page * value_bytes, 16)
-        keys = tl.load(u8_ptr + row[:, None] + kb[None, :], mask=valid[:, None], other=0)
+        keys = tl.load(u8_ptr + row[:, None] + kb[None, :])
         srow = tl.multiple_of(base + scale_offset + in_page * scale_bytes, 4)
-        scales = tl.load(u8_ptr + srow[:, None] + ks[None, :], mask=valid[:, None], other=127)
+        scales = tl.load(u8_ptr + srow[:, None] + ks[None, :])
         if RUNTIME_ZERO_ACC:
             acc = tl.dot_scaled(keys, scales, "e2m1", q, unit, "e4m3", acc=zero)  # [BN, HP] fp32
         else:

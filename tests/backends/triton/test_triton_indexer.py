@@ -251,3 +251,42 @@ def test_mx_scaled_path_selection() -> None:
     assert not mx_scaled_path(blackwell, fp8, 128, None)
     odd = key_layout("indexer_mxfp4", get_codec("indexer_mxfp4").allocate(2, 3))  # 3 x 68 B pages
     assert odd.page_stride % 16 and not mx_scaled_path(blackwell, odd, 128, True)
+
+
+@pytest.mark.parametrize("block", [12, 16])  # 12: page slots by division; 16: by shift and mask
+def test_indexer_logits_dot_scaled_page_sizes(block: int) -> None:
+    """tl.dot_scaled on pages of any size whose rows stay 16-byte aligned, an unmapped page among them: every
+    logit vs float64 scores (the unmasked loads of invalid rows read page 0 and end as -inf)."""
+    from dsv4.backends.triton._common import device_facts
+    from dsv4.backends.triton.indexer import indexer_logits, mx_scaled_path, page_shift
+    from dsv4.backends.triton.layout import key_layout
+
+    assert page_shift(block) == (4 if block == 16 else 0) and page_shift(1) == 0 and page_shift(64) == 6
+    pages = 6
+    codec = get_codec("indexer_mxfp4")
+    cache = codec.allocate(pages + 1, block)
+    table = (torch.randperm(pages) + 1).view(1, pages).to(torch.int32)  # page 0 is never a request's
+    slots = (table.long()[0, :, None] * block + torch.arange(block)).flatten()
+    keys = torch.randn(slots.numel(), 128) * torch.exp2(torch.randint(-8, 9, (slots.numel(), 4)).float()
+                                                        ).repeat_interleave(32, 1)
+    codec.write_rows(cache, slots, keys)
+    cache[0].fill_(255)  # NaN scales and codes on the page the invalid rows read
+    table[0, 2] = -1
+    positions = torch.tensor([4 * pages * block - 1, 4 * 3 * block + 7])
+    q, w = reference.indexer_q((torch.randn(2, 64, 128) * 3).to(torch.bfloat16), torch.randn(2, 64).to(torch.bfloat16),
+                               positions, cos_sin_table(4 * pages * block), profile="deepseek")
+    layout = key_layout("indexer_mxfp4", cache)
+    assert mx_scaled_path(device_facts(cache.device), layout, 128, True)  # the path under test is taken
+    got = indexer_logits(q, w, positions, torch.zeros(2, dtype=torch.int32), cache, layout, table, topk=4, ratio=4,
+                         mx_scaled=True, block_entries=32, num_splits=2).double()
+    e = torch.arange(pages * block)
+    page = table[0].long()[e // block]
+    rows = codec.read_rows(cache, page.clamp_min(0) * block + e % block).double()
+    expected = indexer_scores(q.double(), w.double(), rows)
+    expected[:, page < 0] = float("-inf")
+    expected[1, 3 * block + 2:] = float("-inf")  # (p + 1) // 4 visible
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite)
+    for t in range(2):
+        scale = expected[t][finite[t]].abs().max()
+        assert (got[t][finite[t]] - expected[t][finite[t]]).abs().max() <= 1e-5 * scale
