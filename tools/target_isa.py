@@ -27,7 +27,6 @@ import sys
 from types import SimpleNamespace
 
 import triton
-import triton.language as tl
 
 # target name -> (backend, arch, warp size, torch.cuda device properties that DeviceFacts reads)
 TARGETS = {
@@ -60,23 +59,18 @@ def _signature(fn, constexprs: dict, ints: dict, ptrs: dict) -> tuple[dict, dict
 
 
 def indexer_mx_constexprs(target: str) -> tuple[dict, dict]:
-    """(constexprs, options) of ``indexer_logits`` for served q and mxfp4 keys (64-entry pages) on ``target``."""
+    """(constexprs, options) that ``indexer_logits`` launches for served q and mxfp4 keys (64-entry pages) on
+    ``target``: ``indexer.logits_launch`` on that target's ``DeviceFacts``."""
     from dsv4.backends.triton._common import facts_of
-    from dsv4.backends.triton.indexer import default_block_entries, mx_scaled_path, page_shift
+    from dsv4.backends.triton.indexer import logits_launch
     from dsv4.backends.triton.layout import key_layout
     from dsv4.codecs import get_codec
 
     backend, _, _, props = TARGETS[target]
-    facts = facts_of(props, hip=backend == "hip")
-    layout = key_layout("indexer_mxfp4", get_codec("indexer_mxfp4").allocate(1, BLOCK))
-    mx = mx_scaled_path(facts, layout, 128, None)
-    fp8 = facts.hw_e4m3 or mx
-    bn = default_block_entries(mx)
-    constexprs = {"D": 128, "HP": 64, "BN": bn, "MXFP4": True, "QBLOCK": 32, "HW_E4M3": facts.hw_e4m3, "FP8": fp8,
-                  "IMPRECISE": 32, "PAGE_TILE": BLOCK % bn == 0, "PREFETCH": 1, "W": min(4, bn // 16),
-                  "MX_FP16": False, "TMA": False, "MX_SCALED": mx, "PAGE_SHIFT": page_shift(BLOCK) if mx else 0,
-                  "DOT_DTYPE": tl.bfloat16, "key_desc": None}
-    return constexprs, {"num_warps": 4, "num_stages": 3 if mx or not fp8 else 1}
+    cache = get_codec("indexer_mxfp4").allocate(1, BLOCK)
+    constexprs, options = logits_launch(facts_of(props, hip=backend == "hip"), key_layout("indexer_mxfp4", cache),
+                                        cache, 128, 64)
+    return {**constexprs, "key_desc": None}, options
 
 
 def indexer_mx_mmas(target: str) -> collections.Counter:

@@ -36,8 +36,8 @@ from dsv4.backends.triton.indexer_tma import _fp8_tiles_tma, key_descriptor, tma
 from dsv4.backends.triton.layout import KeyLayout
 from dsv4.backends.triton.topk import topk_indices
 
-__all__ = ["default_block_entries", "indexer_logits", "indexer_q", "indexer_topk", "mx_scaled_path", "page_shift",
-           "q_codes", "topk_indices"]
+__all__ = ["default_block_entries", "indexer_logits", "indexer_q", "indexer_topk", "logits_launch", "mx_scaled_path",
+           "page_shift", "q_codes", "topk_indices"]
 
 _QUANT_FP4, _QUANT_FP8 = 0, 1
 TMA_STAGES = 8  # pipeline depth of the fp8 TMA key tiles: 4 boxes in flight (H200 sweep in docs/triton.md)
@@ -384,6 +384,41 @@ def default_block_entries(mx_scaled: bool) -> int:
     return 32 if INTERPRET else 128 if mx_scaled else 64
 
 
+def logits_launch(facts: DeviceFacts, layout: KeyLayout, key_cache: torch.Tensor, dim: int, heads: int, *,
+                  block_entries: int | None = None, fp8: bool | None = None, imprecise: int | None = None,
+                  prefetch: int = 1, mx_fp16: bool = False, tma: bool | None = None, mx_scaled: bool | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  maxnreg: int | None = None) -> tuple[dict, dict]:
+    """(constexprs, launch options) of ``_indexer_logits_kernel`` for keys ``key_cache`` / ``layout`` on a
+    device with ``facts``: every path choice of ``indexer_logits`` (its keywords, same meaning), in one
+    place that ``tools/target_isa.py`` also compiles from."""
+    hw_e4m3 = facts.hw_e4m3
+    mxfp4 = layout.format_name == "indexer_mxfp4"
+    mx_scaled = mx_scaled_path(facts, layout, dim, mx_scaled)
+    if fp8 is None:
+        fp8 = hw_e4m3 or INTERPRET or mx_scaled
+    # The fp8 path reads 4-byte scale words and assumes four scale blocks a key (SPEC §9.3 geometry).
+    fp8 = bool(fp8) and (hw_e4m3 or INTERPRET or mx_scaled) and key_cache.shape[1] % 4 == 0 \
+        and layout.scale_offset % 4 == 0 and layout.value_bytes % 4 == 0 \
+        and (not mxfp4 or (dim // layout.quant_block == 4 and layout.scale_bytes == 4))
+    mx_scaled = mx_scaled and fp8
+    bn = block_entries or default_block_entries(mx_scaled)
+    use_tma = fp8 and (facts.tma or INTERPRET if tma is None else tma) and tma_usable(key_cache, layout, bn)
+    # The pointer fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after
+    # issuing it); TMA boxes are multi-buffered by the pipeliner.
+    stages = num_stages or (TMA_STAGES if use_tma else 1 if fp8 and not mx_scaled else 3)
+    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": stages}
+    if maxnreg and not INTERPRET:
+        extra["maxnreg"] = maxnreg
+    meta = {"D": dim, "HP": max(16, triton.next_power_of_2(heads)), "BN": bn, "MXFP4": mxfp4,
+            "QBLOCK": layout.quant_block, "HW_E4M3": hw_e4m3, "FP8": fp8, "IMPRECISE": imprecise or 32,
+            "PAGE_TILE": layout.block_size % bn == 0, "PREFETCH": prefetch,
+            "W": max(1, min(extra.get("num_warps", 4), bn // 16)), "MX_FP16": bool(mx_fp16), "TMA": use_tma,
+            "MX_SCALED": mx_scaled, "PAGE_SHIFT": page_shift(layout.block_size) if mx_scaled else 0,
+            "DOT_DTYPE": tl.float32 if INTERPRET else tl.bfloat16}
+    return meta, extra
+
+
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
                    key_cache: torch.Tensor, layout: KeyLayout, key_block_table: torch.Tensor, *,
                    topk: int, ratio: int, block_entries: int | None = None, num_splits: int | None = None,
@@ -413,47 +448,27 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     if num_tokens == 0 or max_entries == 0:
         return logits
     facts = device_facts(q.device)
-    sms, hw_e4m3 = facts.num_sms, facts.hw_e4m3
-    mxfp4 = layout.format_name == "indexer_mxfp4"
-    mx_scaled = mx_scaled_path(facts, layout, dim, mx_scaled)
-    if fp8 is None:
-        fp8 = hw_e4m3 or INTERPRET or mx_scaled
-    # The fp8 path reads 4-byte scale words and assumes four scale blocks a key (SPEC §9.3 geometry).
-    fp8 = bool(fp8) and (hw_e4m3 or INTERPRET or mx_scaled) and key_cache.shape[1] % 4 == 0 \
-        and layout.scale_offset % 4 == 0 and layout.value_bytes % 4 == 0 \
-        and (not mxfp4 or (dim // layout.quant_block == 4 and layout.scale_bytes == 4))
-    mx_scaled = mx_scaled and fp8
-    bn = block_entries or default_block_entries(mx_scaled)
+    meta, extra = logits_launch(facts, layout, key_cache, dim, heads, block_entries=block_entries, fp8=fp8,
+                                imprecise=imprecise, prefetch=prefetch, mx_fp16=mx_fp16, tma=tma,
+                                mx_scaled=mx_scaled, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    bn, fp8, mxfp4 = meta["BN"], meta["FP8"], meta["MXFP4"]
     tiles = -(-max_entries // bn)
     # Programs per multiprocessor (at least 4 tiles each: q is read once a program). H200, b=128 at 128K
     # (graph ms): bf16 path 4/SM 0.44, 16/SM 0.38; fp8 mxfp4 splits 17: 0.297, 9: 0.267, 6: 0.253,
     # 4: 0.247; fp8 keys 17: 0.239, 9: 0.229, 6: 0.226.
-    target = ((4 if mxfp4 else 6) if fp8 else 16) * sms / num_tokens
+    target = ((4 if mxfp4 else 6) if fp8 else 16) * facts.num_sms / num_tokens
     splits = num_splits or max(1, min(round(target) if fp8 else math.ceil(target), tiles // 4))
     chunk = -(-tiles // splits) * bn
     splits = -(-max_entries // chunk)
     q = q.contiguous()
     w = w.contiguous()
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
-    hp = max(16, triton.next_power_of_2(heads))
-    codes, w2, exact = q_codes(q, w, mxfp4=mxfp4 and not mx_scaled) if fp8 else (q, w, w)
-    use_tma = fp8 and (facts.tma or INTERPRET if tma is None else tma) and tma_usable(key_cache, layout, bn)
-    desc = key_descriptor(key_cache, layout, bn) if use_tma else None
-    # The pointer fp8 path prefetches its tiles itself (Triton's pipeliner waits on a single buffer right after
-    # issuing it); TMA boxes are multi-buffered by the pipeliner.
-    stages = num_stages or (TMA_STAGES if use_tma else 1 if fp8 and not mx_scaled else 3)
-    extra = {} if INTERPRET else {"num_warps": num_warps or 4, "num_stages": stages}
-    if maxnreg and not INTERPRET:
-        extra["maxnreg"] = maxnreg
+    codes, w2, exact = q_codes(q, w, mxfp4=mxfp4 and not meta["MX_SCALED"]) if fp8 else (q, w, w)
+    desc = key_descriptor(key_cache, layout, bn) if meta["TMA"] else None
     _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
         key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads, codes, w2, exact,
-        desc, D=dim, HP=hp, BN=bn, MXFP4=mxfp4, QBLOCK=layout.quant_block,
-        HW_E4M3=hw_e4m3, FP8=fp8, IMPRECISE=imprecise or 32,
-        PAGE_TILE=layout.block_size % bn == 0, PREFETCH=prefetch,
-        W=max(1, min(extra.get("num_warps", 4), bn // 16)), MX_FP16=bool(mx_fp16), TMA=use_tma,
-        MX_SCALED=mx_scaled, PAGE_SHIFT=page_shift(layout.block_size) if mx_scaled else 0,
-        DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16, **extra)
+        desc, **meta, **extra)
     return logits
 
 
