@@ -14,6 +14,10 @@ default there is the integer decode to bf16 (``_mx_tiles``), as on sm_120, where
 keys to bf16.
 Every kernel also holds the bf16 fallback for q that is not exactly e4m3 (plain bf16 MMAs). It proves the
 lowering, not the speed: nothing ran.
+
+``--zero-acc runtime|constant`` overrides ``indexer_mx.RUNTIME_ZERO_ACC`` (default: what the installed Triton
+gets). With ``constant`` Triton 3.6, 3.7.1 and 3.8.0 fail on sm_100 in ``TritonGPUOptimizeAccumulatorInit``
+and 3.9 compiles; every version compiles ``runtime``, and gfx950 compiles either.
 """
 from __future__ import annotations
 
@@ -97,7 +101,17 @@ def indexer_mx_mmas(target: str) -> collections.Counter:
 
 
 def main(argv: list[str]) -> int:
-    print(f"Triton {triton.__version__}: MMA instructions of the mxfp4 indexer kernel (served q)")
+    from dsv4.backends.triton import indexer_mx
+
+    if argv[:1] == ["--zero-acc"]:
+        if len(argv) < 2 or argv[1] not in ("runtime", "constant"):
+            print(f"--zero-acc: expected runtime or constant, got {argv[1:2]}", file=sys.stderr)
+            return 2
+        indexer_mx.RUNTIME_ZERO_ACC = triton.language.constexpr(argv[1] == "runtime")
+        argv = argv[2:]
+    zero = "runtime" if indexer_mx.RUNTIME_ZERO_ACC else "constant"
+    print(f"Triton {triton.__version__}: MMA instructions of the mxfp4 indexer kernel (served q; {zero} zero "
+          "accumulator)")
     for target in argv or list(TARGETS):
         constexprs, _ = indexer_mx_constexprs(target)
         mmas = indexer_mx_mmas(target)

@@ -20,10 +20,10 @@ from dsv4.backends.triton._common import decode_e4m3, pow2_from_exponent
 
 __all__ = ["RUNTIME_ZERO_ACC", "_key_rows", "_mx_tiles", "_mx_tiles_scaled"]
 
-# Triton 3.6's zero-accumulator rewrite fails on the sm_100 block-scaled MMA ("uninitialized alloc must have
-# a mutable memdesc"); 3.9 compiles it. Before 3.9 (3.7 / 3.8 not checked) _mx_tiles_scaled starts each tile
-# from a runtime zero, which costs a register fill and a tensor-memory store a tile (64 register moves and
-# one STTM in sm_100 SASS).
+# Triton's zero-accumulator rewrite fails on the sm_100 block-scaled MMA before 3.9 ("uninitialized alloc
+# must have a mutable memdesc"; 3.6, 3.7.1 and 3.8.0 checked with tools/target_isa.py --zero-acc constant);
+# 3.9 compiles it. Before 3.9 _mx_tiles_scaled starts each tile from a runtime zero, which costs a register
+# fill and a tensor-memory store a tile (64 register moves and one STTM in sm_100 SASS).
 RUNTIME_ZERO_ACC = tl.constexpr(tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) < (3, 9))
 
 
