@@ -17,6 +17,7 @@ Op methods have exactly the signatures of ``docs/ARCHITECTURE.md`` §3 (the refe
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from importlib import metadata
@@ -27,11 +28,14 @@ from dsv4.specs.errors import BackendUnavailableError
 
 __all__ = [
     "OP_NAMES",
+    "REASON_CHARS",
     "Backend",
     "Capabilities",
     "OpRequest",
     "OptionalImport",
     "device_arch",
+    "missing_parameters",
+    "one_line",
     "platform_of",
 ]
 
@@ -203,6 +207,27 @@ def device_arch(device: torch.device | str) -> str | None:
     return f"sm_{props.major}{props.minor}"
 
 
+REASON_CHARS = 300  # a reason is one line of at most this many characters
+
+
+def one_line(text: str) -> str:
+    """A reason as one line: whitespace runs (newlines included) collapsed, cut to ``REASON_CHARS``."""
+    text = " ".join(text.split())
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."
+
+
+def missing_parameters(fn: Callable[..., Any], names: tuple[str, ...]) -> list[str]:
+    """The ``names`` that ``fn``'s signature does not accept (all of them when it has no signature): a
+    vendor entry point too old for the arguments a backend passes, found at import instead of mid-call."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return list(names)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [name for name in names if name not in params]
+
+
 class OptionalImport:
     """A vendor module imported on first use, once, with the reason it is absent (xformers-style).
 
@@ -211,8 +236,8 @@ class OptionalImport:
     ``get()`` -> the module, or ``BackendUnavailableError`` with the one-line reason.
     """
 
-    # dlopen and CUDA/ROCm initialisation failures mean "absent" too
-    _ABSENT = (ImportError, OSError, RuntimeError)
+    # Any exception from a vendor import means "absent": besides ImportError, dlopen (OSError) and CUDA/ROCm
+    # initialisation (RuntimeError) failures, broken packages raise AttributeError, TypeError, ValueError...
 
     def __init__(self, label: str, loader: Callable[[], Any]):
         self.label, self.loader = label, loader
@@ -223,9 +248,9 @@ class OptionalImport:
             try:
                 self._result = (self.loader(), None)
             except BackendUnavailableError as exc:
-                self._result = (None, str(exc))
-            except self._ABSENT as exc:
-                self._result = (None, f"{self.label} not importable: {type(exc).__name__}: {exc}")
+                self._result = (None, one_line(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - any load failure is a reason, recorded once
+                self._result = (None, one_line(f"{self.label} not importable: {type(exc).__name__}: {exc}"))
         return self._result
 
     def get(self) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import pluggy
 from dsv4 import hookspecs
-from dsv4.backend import Backend, OpRequest
+from dsv4.backend import Backend, OpRequest, one_line
 from dsv4.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME
 from dsv4.specs.errors import BackendUnavailableError, NoBackendError
 
@@ -227,7 +227,7 @@ class Registry:
             try:
                 reasons = list(backend.probe())
             except Exception as exc:  # noqa: BLE001 - a broken probe means "unavailable, because ..."
-                reasons = [f"probe raised {type(exc).__name__}: {exc}"]
+                reasons = [one_line(f"probe raised {type(exc).__name__}: {exc}")]
             self._probes[name] = reasons
         return self._probes[name]
 
@@ -245,7 +245,7 @@ class Registry:
         try:
             return list(self.get(name).not_supported_reasons(request))
         except Exception as exc:  # noqa: BLE001
-            return [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
+            return [one_line(f"not_supported_reasons raised {type(exc).__name__}: {exc}")]
 
     def priority(self, platform: str) -> list[str]:
         """Backend names in selection order for ``platform``: its list, then the rest by name."""

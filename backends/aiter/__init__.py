@@ -41,7 +41,8 @@ class AiterBackend(Backend):
         elif arch not in SUPPORTED_ARCHS:
             hint = " (its SWA cache is FNUZ e4m3, not the OCP fp8_ds_mla)" if arch == "gfx942" else ""
             reasons.append(f"needs gfx950 (AITER sparse MLA fast path), found {arch}{hint}")
-        reasons += attention.SPARSE_MLA.reasons(self.sparse_mla)
+        if not reasons:  # import the vendor package only where it can run
+            reasons += attention.SPARSE_MLA.reasons(self.sparse_mla)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

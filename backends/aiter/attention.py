@@ -1,28 +1,46 @@
 """AITER sparse attention (SPEC §7): ``aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd`` on gfx950.
 
-Keyword names follow vLLM's wrapper ``rocm_aiter_ops.triton_sparse_mla_fwd`` (research:
-vendor_backends.md §2.2): ``(q, kv_buffer, o, sm_scale, kv_indptr, kv_indices, kv_lora_rank=512,
-qk_rope_head_dim=64, attn_sink, extra_kv_buffer, extra_kv_indptr, extra_kv_indices, has_invalid)``.
-No LSE comes back: the result's ``lse`` is NaN.
+AITER's own signature (ROCm/aiter, not vLLM's ``rocm_aiter_ops.triton_sparse_mla_fwd`` wrapper, whose
+positional order differs: research vendor_backends.md §2.2):
+``sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, *, out=None, attn_sink=None,
+has_invalid=False, extra_kv=None, extra_indptr=None, extra_indices=None, return_lse=False, ...)
+-> (out, lse)``. The cache format is inferred from ``kv_buffer``: a 3-D ``[nb, block, 584]`` uint8 view is
+DeepSeek-V4's fp8_ds_mla (AITER's ``fp8_dsv4_mla``), which it routes to its gfx950 SWA + top-k two-loop.
+``return_lse`` is not served for that format, so the result's ``lse`` is NaN.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from dsv4.backend import OptionalImport
+from dsv4.backend import OptionalImport, missing_parameters
 from dsv4.backends.aiter import layout
-from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 
 __all__ = ["import_sparse_mla", "sparse_attention"]
 
 _HEAD_DIM = 512
 
 
+# keyword-only parameters of sparse_mla_fwd this backend passes; older AITER builds lack the sink and the
+# extra (top-k) segment, and would fail at the first call
+_KEYWORDS = ("out", "attn_sink", "has_invalid", "extra_kv", "extra_indptr", "extra_indices")
+
+
+def _check_sparse_mla(sparse_mla: Any) -> Any:
+    """``sparse_mla`` if its ``sparse_mla_fwd`` takes every keyword this backend passes, else
+    BackendUnavailableError naming the missing ones."""
+    missing = missing_parameters(sparse_mla.sparse_mla_fwd, _KEYWORDS)
+    if missing:
+        raise BackendUnavailableError(f"aiter's sparse_mla_fwd lacks {', '.join(missing)}: this AITER build "
+                                      "predates DeepSeek-V4's sink and SWA + top-k two-loop")
+    return sparse_mla
+
+
 def _load_sparse_mla() -> Any:
     from aiter.ops.triton.attention import sparse_mla  # aiter raises RuntimeError without ROCm
 
-    return sparse_mla
+    return _check_sparse_mla(sparse_mla)
 
 
 SPARSE_MLA = OptionalImport("aiter sparse_mla", _load_sparse_mla)
@@ -58,10 +76,10 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     extra: dict[str, Any] = {}
     if extra_cache is not None:
         extra_indptr, extra_flat = layout.ragged_csr(extra_indices, extra_lens)
-        extra = {"extra_kv_buffer": layout.fp8_ds_mla_view(extra_cache),
-                 "extra_kv_indptr": extra_indptr, "extra_kv_indices": extra_flat}
-    # kv_lora_rank / qk_rope_head_dim keep the wrapper's defaults (512, 64), as vLLM calls it
-    # for DSV4; the cache format is inferred from the buffer (UNVERIFIED on hardware).
-    sparse_mla.sparse_mla_fwd(q, layout.fp8_ds_mla_view(swa_cache), out, softmax_scale, indptr, flat,
-                              attn_sink=sink, has_invalid=False, **extra)
-    return out, lse
+        extra = {"extra_kv": layout.fp8_ds_mla_view(extra_cache), "extra_indptr": extra_indptr,
+                 "extra_indices": extra_flat}
+    # ragged rows hold no -1 (has_invalid=False); the geometry arguments are not read for fp8_dsv4_mla
+    # (UNVERIFIED on hardware)
+    result = sparse_mla.sparse_mla_fwd(q, layout.fp8_ds_mla_view(swa_cache), indptr, flat, softmax_scale,
+                                       out=out, attn_sink=sink, has_invalid=False, **extra)
+    return (result[0] if isinstance(result, tuple) else result), lse

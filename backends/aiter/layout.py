@@ -27,7 +27,8 @@ def ragged_csr(indices: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def fp8_ds_mla_view(cache: torch.Tensor) -> torch.Tensor:
-    """uint8 [num_blocks, page_stride] -> [num_blocks, B, 1, token_bytes] (stride(1) = token bytes)."""
+    """uint8 [num_blocks, page_stride] -> [num_blocks, B, token_bytes] (stride(1) = token bytes), the 3-D
+    block cache AITER reads as ``fp8_dsv4_mla`` (its 4-D form must be ``[slots, 1, 1, R]``)."""
     from dsv4.specs.formats import get_format
 
     fmt = get_format("fp8_ds_mla")
@@ -37,5 +38,5 @@ def fp8_ds_mla_view(cache: torch.Tensor) -> torch.Tensor:
     block_size = cache.shape[1] // fmt.token_bytes
     if block_size < 1 or fmt.page_stride(block_size) != cache.shape[1] or cache.stride(0) != cache.shape[1]:
         raise CacheLayoutError.of("cache.shape[1]", "an fp8_ds_mla page stride", cache.shape[1])
-    return cache.as_strided((cache.shape[0], block_size, 1, fmt.token_bytes),
-                            (cache.shape[1], fmt.token_bytes, fmt.token_bytes, 1))
+    return cache.as_strided((cache.shape[0], block_size, fmt.token_bytes),
+                            (cache.shape[1], fmt.token_bytes, 1))

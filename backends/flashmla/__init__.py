@@ -50,7 +50,8 @@ class FlashMLABackend(Backend):
             reasons.append(f"needs sm_90a or sm_100f, found {found}")
         elif arch not in SUPPORTED_ARCHS:
             reasons.append(f"needs sm_90a or sm_100f, found {arch}")
-        reasons += attention.FLASH_MLA.reasons(self.flash_mla)
+        if not reasons:  # import the vendor package only where it can run
+            reasons += attention.FLASH_MLA.reasons(self.flash_mla)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

@@ -35,7 +35,8 @@ class XPUBackend(Backend):
         reasons: list[str] = []
         if not _xpu_available():
             reasons.append(f"needs an Intel XPU (torch.xpu), found {'cuda' if torch.cuda.is_available() else 'cpu'}")
-        reasons += attention.KERNEL.reasons(self.kernel)
+        if not reasons:  # import the vendor package only where it can run
+            reasons += attention.KERNEL.reasons(self.kernel)
         return reasons
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

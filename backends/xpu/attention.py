@@ -1,8 +1,11 @@
 """XPU sparse attention (SPEC §7): vLLM's Triton bf16 sparse MLA on a workspace, plus the sink.
 
 ``vllm.v1.attention.ops.xpu_mla_sparse.triton_bf16_mla_sparse_interface(q [T,H,512] bf16,
-kv [S,1,512] bf16, indices [T,1,K] int32 (K % 16 == 0, -1 invalid), sm_scale, d_v=512)
--> (out, max_logits, lse)`` has no sink parameter (vLLM's XPU path therefore ignores it). The
+kv [S,1,512] bf16, indices [T,1,K] int32 (K % 16 == 0, -1 invalid), sm_scale, d_v=512, block_dpe=64)
+-> (out, max_logits, lse)``. DeepSeek-V4's rows keep RoPE inside the 512 (no separate positional part),
+so it is called with ``block_dpe=0``, as vLLM's DSV4 path does; the default 64 would split the row into
+448 + 64, which is not a power of two, and releases without the parameter assume 512 + 64 rows. It has
+no sink parameter (vLLM's XPU path therefore ignores it). The
 sink is applied here from the returned LSE (natural log, without the sink):
 ``out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)``, which is exact (SPEC §7).
 """
@@ -11,19 +14,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dsv4.backend import OptionalImport
+from dsv4.backend import OptionalImport, missing_parameters
 from dsv4.backends.xpu import layout
-from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 
 __all__ = ["apply_sink", "import_kernel", "sparse_attention"]
 
 _HEAD_DIM = 512
 
 
+def _check_kernel(kernel: Any) -> Any:
+    """``kernel`` if it takes ``block_dpe``, else BackendUnavailableError with the reason."""
+    if missing_parameters(kernel, ("block_dpe",)):
+        raise BackendUnavailableError("vllm's triton_bf16_mla_sparse_interface has no block_dpe: this vLLM "
+                                      "predates DeepSeek-V4 on XPU (its kernel needs 512 + 64-wide rows)")
+    return kernel
+
+
 def _load_kernel() -> Any:
     from vllm.v1.attention.ops.xpu_mla_sparse import triton_bf16_mla_sparse_interface
 
-    return triton_bf16_mla_sparse_interface
+    return _check_kernel(triton_bf16_mla_sparse_interface)
 
 
 KERNEL = OptionalImport("vllm XPU sparse MLA kernel", _load_kernel)
@@ -68,5 +79,5 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     kernel = kernel if kernel is not None else import_kernel()
     ws = layout.build_workspace(swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
                                 kv_format=kv_format)
-    out, _, lse = kernel(q, ws.kv, ws.indices, softmax_scale, _HEAD_DIM)
+    out, _, lse = kernel(q, ws.kv, ws.indices, softmax_scale, d_v=_HEAD_DIM, block_dpe=0)
     return apply_sink(out, lse.reshape(q.shape[0], q.shape[1]), sink, ws.counts)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from dsv4.backend import OptionalImport
+from dsv4.backend import REASON_CHARS, OptionalImport, missing_parameters
 from dsv4.specs.errors import BackendUnavailableError
 
 
@@ -32,3 +32,39 @@ def test_optional_import_present_or_unusable() -> None:
         raise BackendUnavailableError("vendorlib 1.0 lacks the sm_90 kernels")
 
     assert OptionalImport("vendorlib", unusable).reasons() == ["vendorlib 1.0 lacks the sm_90 kernels"]
+
+
+def test_a_broken_vendor_package_is_absent_with_a_one_line_reason() -> None:
+    """Broken packages raise more than ImportError (IPEX-style AttributeError, ValueError from a version
+    check): each is recorded once as a one-line reason, never raised from a probe."""
+    calls = []
+
+    def loader():
+        calls.append(1)
+        raise AttributeError("module 'torch' has no attribute 'xpu_bogus'\n  while importing\n\tvendorlib")
+
+    opt = OptionalImport("vendorlib", loader)
+    assert opt.reasons() == [("vendorlib not importable: AttributeError: module 'torch' has no attribute "
+                             "'xpu_bogus' while importing vendorlib")]
+    with pytest.raises(BackendUnavailableError, match="AttributeError"):
+        opt.get()
+    assert len(calls) == 1
+
+    long = OptionalImport("vendorlib", lambda: (_ for _ in ()).throw(ValueError("x" * 1000))).reasons()[0]
+    assert len(long) == REASON_CHARS and long.endswith("...")
+
+
+def test_missing_parameters_names_what_an_old_entry_point_lacks() -> None:
+    def old(q, kv, *, out=None):
+        return None
+
+    def new(q, kv, *, out=None, attn_sink=None):
+        return None
+
+    def anything(q, **kwargs):
+        return None
+
+    assert missing_parameters(old, ("out", "attn_sink")) == ["attn_sink"]
+    assert missing_parameters(new, ("out", "attn_sink")) == []
+    assert missing_parameters(anything, ("attn_sink",)) == []
+    assert missing_parameters(object(), ("attn_sink",)) == ["attn_sink"]  # no signature: nothing is known

@@ -12,8 +12,11 @@ from dsv4.backends.xpu import XPUBackend, layout
 from sparse_case import SOFTMAX_SCALE, assert_attention_close, make_case
 
 
-def fake_kernel(q, kv, indices, sm_scale, d_v=512):
-    """The kernel's contract: K % 16, -1 (or >= S) invalid, NO sink, lse natural log (-inf if empty)."""
+def fake_kernel(q, kv, indices, sm_scale, d_v=512, block_dpe=64):
+    """The kernel's contract: K % 16, -1 (or >= S) invalid, NO sink, lse natural log (-inf if empty). With
+    the default block_dpe=64 the real kernel splits 512 into 448 + 64 and fails to compile (448 is not a
+    power of two); DeepSeek-V4's rows need block_dpe=0."""
+    assert d_v == 512 and block_dpe == 0, (d_v, block_dpe)
     assert indices.shape[-1] % 16 == 0 and indices.dtype == torch.int32 and kv.dtype == torch.bfloat16
     idx = indices[:, 0].to(torch.int64)
     valid = (idx >= 0) & (idx < kv.shape[0])
@@ -46,3 +49,29 @@ def test_a_missing_sink_is_an_error():
         XPUBackend(kernel=fake_kernel).sparse_attention(
             case.q, case.swa_cache, case.swa_indices, case.swa_lens, None, None, None, None,
             kv_format="fp8_ds_mla", softmax_scale=SOFTMAX_SCALE, profile="vllm")
+
+
+def test_a_vllm_without_block_dpe_is_unavailable(monkeypatch):
+    """vLLM releases before DeepSeek-V4 on XPU have no block_dpe (their kernel needs 512 + 64-wide rows)."""
+    import dsv4.backends.xpu as xpu_backend
+    from dsv4.backends.xpu import attention
+
+    def old_kernel(q, kv, indices, sm_scale, d_v=512):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(xpu_backend, "_xpu_available", lambda: True)
+    monkeypatch.setattr(attention, "KERNEL", attention.OptionalImport(
+        "vllm XPU sparse MLA kernel", lambda: attention._check_kernel(old_kernel)))
+    assert XPUBackend().probe() == [("vllm's triton_bf16_mla_sparse_interface has no block_dpe: this vLLM "
+                                    "predates DeepSeek-V4 on XPU (its kernel needs 512 + 64-wide rows)")]
+    monkeypatch.setattr(attention, "KERNEL", attention.OptionalImport(
+        "vllm XPU sparse MLA kernel", lambda: attention._check_kernel(fake_kernel)))
+    assert XPUBackend().probe() == []
+
+
+def test_probe_does_not_import_vllm_without_an_xpu(monkeypatch):
+    from dsv4.backends.xpu import attention
+
+    monkeypatch.setattr(attention, "KERNEL", attention.OptionalImport(
+        "vllm XPU sparse MLA kernel", lambda: (_ for _ in ()).throw(AssertionError("imported"))))
+    assert len(XPUBackend().probe()) == 1
