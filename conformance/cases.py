@@ -340,6 +340,8 @@ def default_cases() -> list[Case]:
                 cases.append(Case("sparse_attention", kind, profile, prof.kv_format, variant))
     cases.append(Case("indexer_topk", "csa", "deepseek", "indexer_mxfp4", "wide"))
     cases.append(Case("sparse_attention", "csa", "vllm", "bf16", "prefill"))
+    # per-tensor fp8 rows (SPEC §9.2), the FlashInfer SM10x format: the suite states what its q rule costs
+    cases.append(Case("sparse_attention", "csa", "vllm", "fp8_e4m3", "decode"))
     for config, kind in (("tiny", "swa"), ("tiny-g2", "csa")):
         for variant in ("bf16", "fp8"):
             cases.append(Case("output_projection", kind, "-", "-", variant, config=config))

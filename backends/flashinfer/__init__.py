@@ -5,7 +5,7 @@ imported lazily. sm_90 has no FlashInfer DSV4 path: both probes refuse it with t
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -67,6 +67,13 @@ class FlashInferSM100Backend(_FlashInferBackend):
 
     name: ClassVar[str] = "flashinfer-sm100"
     capabilities: ClassVar[Capabilities] = SM100_CAPABILITIES
+    # SPEC §9.2 / §11 name per-tensor fp8 rows for SM10x, but trtllm-gen needs q in the KV dtype: q is
+    # quantized to e4m3 with one per-tensor scale, which SPEC §13's attention tolerance does not allow for.
+    expected_failures: ClassVar[Mapping[str, str]] = {
+        "sparse_attention/*/fp8_e4m3/*": "trtllm-gen reads fp8 rows only with fp8 q (q dtype must equal the KV "
+                                         "dtype): q is quantized to e4m3 per tensor, about 1e-3 cosine difference "
+                                         "against SPEC §13's 5e-6",
+    }
     _archs = SM100_ARCHS
     _arch_text = "sm_100/sm_103/sm_107"
     _run = staticmethod(attention.sm100_sparse_attention)
