@@ -128,9 +128,12 @@ class PagedKVCache:
         device: where the storage and the step metadata live.
         profile: numerics profile name (SPEC §6.6); the cache is tagged with it and a layer of
             another profile refuses it.
-        kv_format: latent cache format (default: the profile's ``kv_format``).
-        indexer_key_format: indexer key format (default: the profile's ``indexer_key_format``).
+        kv_format: latent cache format (default: the geometry's own, else the profile's ``kv_format``).
+        indexer_key_format: indexer key format (default: the geometry's own, else the profile's).
         geometry: page geometry of ``dsv4.specs.geometry`` (``vllm``, ``ascend``, ``ascend-a5``).
+            ``ascend`` brings ``ascend_bf16`` / ``indexer_ascend_int8``, ``ascend-a5`` brings
+            ``ascend_a5`` / ``indexer_fp8``; ``vllm`` has none. ``self.kv_format`` and
+            ``self.indexer_key_format`` are the resolved formats, the ones allocated.
     """
 
     def __init__(
@@ -150,17 +153,15 @@ class PagedKVCache:
         self.cfg = cfg
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>"
         self.profile = get_profile(profile).name
-        prof = get_profile(profile)
-        self.kv_format = kv_format or prof.kv_format
-        self.indexer_key_format = indexer_key_format or prof.indexer_key_format
         self.layer_ids = tuple(sorted({int(i) for i in layer_ids}))
         if not self.layer_ids:
             raise DSV4ValueError.of("layer_ids", "at least one layer id", "an empty list")
         kinds = {i: cfg.layer_kind(i) for i in self.layer_ids}
         self.window = cfg.sliding_window
 
-        geo = cache_geometry(cfg, profile, geometry, kv_format=self.kv_format,
-                             indexer_key_format=self.indexer_key_format)
+        # None stays None: cache_geometry resolves explicit > geometry's own > profile's formats,
+        # and the codecs below allocate exactly what it resolved.
+        geo = cache_geometry(cfg, profile, geometry, kv_format=kv_format, indexer_key_format=indexer_key_format)
         self.kv_format, self.indexer_key_format = geo.kv_format, geo.indexer_key_format
         spec_names = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
         wanted = {"swa"}

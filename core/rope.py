@@ -5,10 +5,12 @@ Every rotary use inside a layer shares one fp32 table ``cos_sin [P, rope_dim]`` 
 SWA-only layers use ``rope_theta`` without YaRN; compressed layers (ratio 4 or 128) use
 ``compress_rope_theta`` with the YaRN frequency blend and no magnitude scale.
 
-The table is built the way DeepSeek's ``precompute_freqs_cis`` and vLLM's
-``DeepseekScalingRotaryEmbedding`` build it: inverse frequencies and angles in fp32, so the bits
-match the engines whose outputs we are judged against. (At very large positions an fp32 angle
-carries an absolute error of ``|angle| * 2**-24``; both engines share it.)
+The table is built the way vLLM's ``DeepseekScalingRotaryEmbedding`` builds it: inverse
+frequencies and angles in fp32, then ``cos()`` / ``sin()``, so its bits equal vLLM's. DeepSeek's
+``precompute_freqs_cis`` computes the same fp32 angles but takes ``torch.polar(1, angles)``,
+whose cos/sin may round differently: every entry is within 1 ulp of DeepSeek's, and some (about
+4% on torch 2.13 CPU) differ by that ulp. (At very large positions an fp32 angle carries an
+absolute error of ``|angle| * 2**-24``; both engines share it.)
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def rope_inv_freq(rope_dim: int, theta: float, scaling: Any | None = None) -> to
     ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``):
     ``ramp = clamp((i - low) / (high - low), 0, 1)``, ``inv = inv / factor * ramp + inv * (1 - ramp)``.
     The arithmetic order mirrors DeepSeek's ``precompute_freqs_cis`` (it blends with
-    ``smooth = 1 - ramp``) so that the fp32 bits agree.
+    ``smooth = 1 - ramp``) so that these fp32 inverse frequencies agree bit for bit (the table
+    built from them does not quite: see the module docstring).
     """
     if rope_dim <= 0 or rope_dim % 2:
         raise DSV4ValueError.of("rope_dim", "a positive even number", rope_dim)

@@ -43,6 +43,11 @@ def _reraise_as_config_error(error: ValidationError, model: str) -> ConfigError:
     return ConfigError.of(argument, expected, repr(first.get("input")))
 
 
+def _scaling_type(data: Mapping[str, Any]) -> Any:
+    """``type`` or ``rope_type`` of a config.json RoPE dict; missing or null means ``"yarn"``."""
+    return data.get("type") or data.get("rope_type") or "yarn"
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,10 +78,11 @@ class RopeScaling(_Frozen):
 
     @classmethod
     def from_hf(cls, data: Mapping[str, Any]) -> RopeScaling:
-        """From a config.json ``rope_scaling`` / ``rope_parameters`` dict (``type`` or ``rope_type``)."""
+        """From a config.json ``rope_scaling`` / ``rope_parameters`` dict (``type`` or ``rope_type``;
+        missing or null means yarn, as everywhere in this module)."""
         if not isinstance(data, Mapping):
             raise ConfigError.of("rope_scaling", "a dict", type(data).__name__)
-        kind = data.get("type", data.get("rope_type", "yarn"))
+        kind = _scaling_type(data)
         if kind not in ("yarn", "deepseek_yarn"):
             raise ConfigError.of("rope_scaling.type", "'yarn'", repr(kind))
         for key in ("mscale", "mscale_all_dim"):
@@ -225,7 +231,8 @@ class ModelConfig(_Frozen):
                 data["rope_theta"] = main["rope_theta"]
             if "rope_theta" in scaling:
                 data["compress_rope_theta"] = scaling["rope_theta"]
-        if scaling is not None and (scaling.get("type") or scaling.get("rope_type")) not in (None, "default"):
+        # A dict without a type is yarn (RopeScaling.from_hf); only "default" means plain RoPE.
+        if scaling is not None and not (isinstance(scaling, Mapping) and _scaling_type(scaling) == "default"):
             data["rope_scaling"] = RopeScaling.from_hf(scaling)
         return cls(**data)
 

@@ -11,7 +11,8 @@ are aligned to 576 B (fp8_ds_mla; 512 / none otherwise), then every sliding-wind
 (SWA, states) is padded up to the smallest page of the compressed/indexer groups that holds it, so
 that groups can share physical pages.
 
-``ascend`` / ``ascend-a5`` (vllm-ascend ``DSV4_BLOCK_SIZES``, research/vendor_backends.md §1.4):
+``ascend`` / ``ascend-a5`` (vllm-ascend ``DSV4_BLOCK_SIZES``, research/vendor_backends.md §1.4;
+default formats their own, whatever the profile: see :func:`cache_geometry`):
 user block ``bs`` in {32, 64, 128}: bs entries a page for SWA, compressed and indexer groups,
 bs/16 rows for C4 states, bs/4 (A2/A3) or bs/8 (A5) rows for the C128 state; every page padded to
 the smaller of two sizes ``t1`` (indexer-key page) and ``t2`` (latent page) that holds it.
@@ -46,7 +47,9 @@ _VLLM_STATE_ROWS = {4: 4, 128: 8}
 ASCEND_BLOCK_SIZES = (32, 64, 128)
 _ASCEND_C4_STATE_DIVISOR = 16
 _ASCEND_C128_STATE_DIVISOR = {"ascend": 4, "ascend-a5": 8}
-_GEOMETRY_FORMATS = {"ascend-a5": ("ascend_a5", "indexer_fp8")}  # A5 pages differ from A2/A3's
+# The Ascend tables are those of vllm-ascend's own caches (SPEC §9.2-§9.3, vendor_backends.md §1.4):
+# A2/A3 bf16 rows + int8/fp16 keys, A5 640 B fp8 records + fp8/fp32 keys. vllm has no formats of its own.
+_GEOMETRY_FORMATS = {"ascend": ("ascend_bf16", "indexer_ascend_int8"), "ascend-a5": ("ascend_a5", "indexer_fp8")}
 
 GroupName = Literal["swa", "c4_kv", "c128_kv", "c4_indexer_keys", "c4_state", "c128_state", "c4_indexer_state"]
 
@@ -158,7 +161,11 @@ def cache_geometry(cfg: ModelConfig, profile: str = "deepseek", geometry: str = 
                    indexer_key_format: str | None = None) -> CacheGeometry:
     """Cache groups of ``cfg`` under ``geometry`` (``vllm``, ``ascend``, ``ascend-a5``).
 
-    Formats: explicit arguments, else the geometry's own (``ascend-a5``), else the profile's.
+    Formats, each of ``kv_format`` / ``indexer_key_format`` resolved on its own: the explicit
+    argument, else the geometry's own (``ascend``: ``ascend_bf16`` / ``indexer_ascend_int8``;
+    ``ascend-a5``: ``ascend_a5`` / ``indexer_fp8``), else the profile's (``vllm`` has none). So an
+    Ascend geometry under the ``deepseek`` or ``vllm`` profile still lays out Ascend's pages; an
+    explicit format is the user's choice and wins (the Ascend pads are then computed for it).
     ``block_size``: ascend user block (default 128); vllm fixes its sizes and accepts only 64.
     """
     prof = get_profile(profile)

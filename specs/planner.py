@@ -50,10 +50,11 @@ def layer_bytes(geo: CacheGeometry, layer_id: int, num_tokens: int) -> int:
     return sum(g.pages_for(num_tokens) * g.page_bytes for g in geo.groups_of_layer(layer_id))
 
 
-def kind_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: str = "vllm",
+def kind_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: str | CacheGeometry = "vllm",
                          *, padded: bool = True) -> dict[LayerKind, float]:
     """Asymptotic cache bytes per raw token of ONE layer of each kind (growing groups only).
 
+    ``geometry``: a name, or a built :class:`CacheGeometry` (used as is: its formats, its profile).
     ``padded``: page bytes (what is allocated); otherwise the stored entries' bytes.
     SWA-only layers cost 0: their window is a constant (see :func:`request_bytes`).
     """
@@ -70,7 +71,7 @@ def kind_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: 
     return result
 
 
-def model_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: str = "vllm",
+def model_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: str | CacheGeometry = "vllm",
                           *, include_mtp: bool = True, padded: bool = True) -> float:
     """Asymptotic cache bytes per raw token of the whole model (every layer)."""
     per_kind = kind_bytes_per_token(cfg, profile, geometry, padded=padded)
@@ -87,8 +88,8 @@ def request_bytes(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
     return sum(g.bytes_for(num_tokens) for g in geo.groups)
 
 
-def max_tokens(cfg: ModelConfig, budget_bytes: int, profile: str = "deepseek", geometry: str = "vllm",
-               *, include_mtp: bool = True, limit: int | None = None) -> int:
+def max_tokens(cfg: ModelConfig, budget_bytes: int, profile: str = "deepseek",
+               geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True, limit: int | None = None) -> int:
     """Largest ``N <= limit`` (default ``max_position_embeddings``) with ``request_bytes(N) <= budget``.
 
     ``request_bytes`` never decreases with N, so a binary search is exact. 0 if not even one token fits.
@@ -108,14 +109,17 @@ def max_tokens(cfg: ModelConfig, budget_bytes: int, profile: str = "deepseek", g
     return low
 
 
-def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek", geometry: str = "vllm",
-                *, include_mtp: bool = True) -> dict[str, Any]:
-    """JSON-ready plan of one request of ``num_tokens``: per layer kind, per group, totals."""
+def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
+                geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True) -> dict[str, Any]:
+    """JSON-ready plan of one request of ``num_tokens``: per layer kind, per group, totals.
+
+    A :class:`CacheGeometry` ``geometry`` is used as is for every figure (``profile`` is then ignored).
+    """
     _check_tokens(num_tokens)
     geo = _geometry(cfg, profile, geometry, include_mtp)
     counts = cfg.layer_kind_counts(include_mtp)
-    per_token = kind_bytes_per_token(cfg, profile, geo.name)
-    per_token_payload = kind_bytes_per_token(cfg, profile, geo.name, padded=False)
+    per_token = kind_bytes_per_token(cfg, geometry=geo)
+    per_token_payload = kind_bytes_per_token(cfg, geometry=geo, padded=False)
     kinds = {}
     for kind in LayerKind:
         ids = cfg.layer_ids(kind, include_mtp)
@@ -149,6 +153,6 @@ def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek", ge
             "payload_bytes": payload,
             "padding_bytes": total - payload,
             "bytes_per_token": total / num_tokens if num_tokens else None,
-            "asymptotic_bytes_per_token": model_bytes_per_token(cfg, profile, geo.name, include_mtp=include_mtp),
+            "asymptotic_bytes_per_token": model_bytes_per_token(cfg, geometry=geo, include_mtp=include_mtp),
         },
     }

@@ -144,3 +144,26 @@ def test_free_returns_every_page():
     assert cache.free_pages() == empty
     with pytest.raises(DSV4ValueError, match="request_id"):
         cache.free("a")
+
+
+@pytest.mark.parametrize("geometry, kv, key, latent_page, key_page", [
+    # vendor_backends.md §1.4 at bs 128: A5 81920 / 16896, A2/A3 131072 / 16640.
+    ("ascend-a5", "ascend_a5", "indexer_fp8", 128 * 640, 128 * 132),
+    ("ascend", "ascend_bf16", "indexer_ascend_int8", 128 * 1024, 128 * 130),
+])
+def test_ascend_geometry_cache_allocates_the_geometry_formats(geometry, kv, key, latent_page, key_page):
+    cache = PagedKVCache(CFG, [1], num_blocks=2, geometry=geometry)
+    assert (cache.kv_format, cache.indexer_key_format) == (kv, key)
+    lc = cache.layer(1)
+    assert lc.swa[0].numel() * lc.swa.element_size() == latent_page
+    assert lc.compressed[0].numel() * lc.compressed.element_size() == latent_page
+    assert lc.indexer_keys[0].numel() * lc.indexer_keys.element_size() == key_page
+    assert cache.groups["swa"].block_size == 128 and cache.groups["state4"].block_size == 8
+
+
+def test_explicit_cache_format_wins_over_the_geometry_format():
+    cache = PagedKVCache(CFG, [1], num_blocks=2, geometry="ascend-a5", kv_format="fp8_ds_mla")
+    assert (cache.kv_format, cache.indexer_key_format) == ("fp8_ds_mla", "indexer_fp8")
+    lc = cache.layer(1)
+    assert lc.swa[0].numel() * lc.swa.element_size() == 74880  # roundup(128 * 584, 576)
+    assert lc.indexer_keys[0].numel() * lc.indexer_keys.element_size() == 128 * 132

@@ -114,3 +114,20 @@ def test_errors_name_the_argument() -> None:
         apply_rope(torch.zeros(2, 64), torch.zeros(3, 64))
     with pytest.raises(DSV4ValueError, match="rope_dim"):
         rope_inv_freq(63, 10000.0)
+
+
+def test_table_is_vllm_cos_sin_and_within_one_ulp_of_deepseek_polar() -> None:
+    # vLLM builds the cache as cat(cos(angles), sin(angles)) of fp32 angles: bit-exact here.
+    # DeepSeek's precompute_freqs_cis takes torch.polar(1, angles): same angles, but polar's
+    # sin/cos may round differently (1 ulp) on some entries, so the bits do not always match.
+    cfg = ModelConfig.preset("v4-pro")
+    compressed = next(i for i in range(cfg.num_hidden_layers) if cfg.compress_ratio(i) > 1)
+    positions = 65536
+    table = rope_cos_sin(cfg, compressed, positions)
+    inv = rope_inv_freq(64, cfg.compress_rope_theta, cfg.rope_scaling)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
+    assert torch.equal(table, torch.cat([angles.cos(), angles.sin()], dim=-1))
+    polar = torch.polar(torch.ones_like(angles), angles)
+    deepseek = torch.cat([polar.real, polar.imag], dim=-1)
+    ulp = torch.nextafter(deepseek.abs(), torch.tensor(math.inf)) - deepseek.abs()
+    assert bool(((table - deepseek).abs() <= ulp).all())  # torch 2.13 CPU: about 4% of entries differ

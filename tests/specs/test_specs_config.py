@@ -118,3 +118,19 @@ def test_profiles():
     assert get_profile(vllm) is vllm
     with pytest.raises(ConfigError, match="profile"):
         get_profile("sglang")
+
+
+def test_rope_scaling_without_type_is_yarn():
+    cfg = ModelConfig.preset("v4-flash")
+    hf = cfg.to_hf_config()
+    hf["rope_scaling"] = {k: v for k, v in hf["rope_scaling"].items() if k not in ("type", "rope_type")}
+    assert ModelConfig.from_hf_config(hf) == cfg  # RopeScaling.from_hf also reads a missing type as yarn
+    hf["rope_scaling"] = {**hf["rope_scaling"], "rope_type": None}
+    assert ModelConfig.from_hf_config(hf).rope_scaling == cfg.rope_scaling
+    # "default" means plain RoPE: no scaling, which compressed layers refuse (SPEC §4).
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "default"}})
+    assert info.value.argument == "rope_scaling"
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf_config({**hf, "rope_scaling": [16, 65536]})
+    assert info.value.argument == "rope_scaling"

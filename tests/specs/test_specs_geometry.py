@@ -64,3 +64,24 @@ def test_geometry_errors():
         cache_geometry(cfg, "vllm", "vllm", block_size=128)
     with pytest.raises(ConfigError, match="kv_format"):
         cache_geometry(cfg, kv_format="indexer_fp8")
+
+
+@pytest.mark.parametrize("profile", ["deepseek", "vllm", "ascend"])
+def test_ascend_geometries_use_their_own_formats_under_any_profile(profile):
+    cfg = ModelConfig.preset("v4-pro")
+    a23 = cache_geometry(cfg, profile, "ascend")
+    assert (a23.kv_format, a23.indexer_key_format) == ("ascend_bf16", "indexer_ascend_int8")
+    assert {g.page_bytes for g in a23.groups} == {16640, 131072}  # vendor_backends.md §1.4, bs 128
+    a5 = cache_geometry(cfg, profile, "ascend-a5")
+    assert (a5.kv_format, a5.indexer_key_format) == ("ascend_a5", "indexer_fp8")
+    assert {g.page_bytes for g in a5.groups} == {16896, 81920}
+    assert a23.profile == a5.profile == profile
+
+
+def test_explicit_format_wins_over_the_geometry_format():
+    cfg = ModelConfig.preset("v4-pro")
+    geo = cache_geometry(cfg, "deepseek", "ascend", kv_format="fp8_ds_mla")
+    assert (geo.kv_format, geo.indexer_key_format) == ("fp8_ds_mla", "indexer_ascend_int8")
+    assert geo.group("swa").page_bytes == 74880  # roundup(128 * 584, 576): t2 is now the fp8_ds_mla page
+    # vllm has no formats of its own: the profile's apply.
+    assert cache_geometry(cfg, "vllm", "vllm").indexer_key_format == "indexer_fp8"

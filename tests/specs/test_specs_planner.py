@@ -70,3 +70,42 @@ def test_plan_report_for_ascend_and_errors():
     assert report["totals"]["padding_bytes"] >= 0
     with pytest.raises(ConfigError, match="num_tokens"):
         plan_report(ModelConfig.preset("tiny"), -1)
+
+
+def test_plan_report_per_token_figures_follow_the_given_geometry_object():
+    from dsv4.specs import cache_geometry
+    cfg = ModelConfig.preset("v4-pro")
+    geo = cache_geometry(cfg, "deepseek", "vllm", kv_format="bf16")  # not what "vllm" alone builds
+    report = plan_report(cfg, 1 << 20, geometry=geo)
+    # bf16 latent pages: 64 x 1024 = 65536 B; mxfp4 keys: roundup(64 x 68, 512) = 4608 B; 256 tokens a page.
+    assert report["layer_kinds"]["csa"]["bytes_per_token_per_layer"] == (65536 + 4608) / 256 == 274.0
+    assert report["layer_kinds"]["csa"]["payload_bytes_per_token_per_layer"] == 1024 / 4 + 68 / 4
+    assert report["layer_kinds"]["hca"]["bytes_per_token_per_layer"] == 2 * 1024 / 256
+    assert report["totals"]["asymptotic_bytes_per_token"] == 30 * 274.0 + 31 * 8.0
+    assert kind_bytes_per_token(cfg, geometry=geo)[LayerKind.CSA] == 274.0
+
+
+def test_memory_doc_group_table_matches_the_geometry():
+    """docs/memory.md §2: 'page before padding' is `unpadded -> aligned` (one number when equal) in every
+    row, 'page after padding' the allocated page, for the mxfp4 (deepseek) and fp8 (vllm) indexer keys."""
+    from pathlib import Path
+
+    from dsv4.specs import cache_geometry
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
+    section = doc.split("## 2.")[1].split("## 3.")[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[5], cells[6])
+    cfg = ModelConfig.preset("v4-pro")
+    checked = 0
+    for profile in ("deepseek", "vllm"):
+        for group in cache_geometry(cfg, profile, "vllm").groups:
+            before, after = rows[group.name]
+            unpadded, aligned = group.unpadded_page_bytes, group.aligned_page_bytes
+            want = f"{unpadded} -> {aligned}" if unpadded != aligned else str(aligned)
+            assert want in before.split(" / ")[0] or want in before.split(" / ")[-1], (group.name, before)
+            assert str(group.page_bytes) in after, (group.name, after)
+            checked += 1
+    assert checked == 14 and len(rows) == 7
