@@ -100,7 +100,8 @@ class SuiteResult:
 
 def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
     args, kwargs = prepared.steps[0]
-    fields = request_fields(prepared.case.op, args, kwargs)
+    hints = {"extra_kind": {"swa": "none", "csa": "topk", "hca": "dense"}[prepared.case.kind]}
+    fields = request_fields(prepared.case.op, args, kwargs, hints if prepared.case.op == "sparse_attention" else None)
     return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
 
 

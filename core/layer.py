@@ -339,6 +339,9 @@ class Attention(nn.Module):
             return x.new_zeros(0, cfg.hidden_size)
         o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
                                        extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
-                                       softmax_scale=D ** -0.5, profile=self.profile, backend=be["sparse_attention"])
+                                       softmax_scale=D ** -0.5, profile=self.profile,
+                                       extra_kind=("topk" if self.kind.has_indexer else
+                                                   "dense" if self.kind.has_compressor else "none"),
+                                       backend=be["sparse_attention"])
         return ops.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
                                      fp8_activations=self.fp8_output, backend=be["output_projection"])

@@ -106,8 +106,13 @@ def request_reasons(request: OpRequest) -> list[str]:
     if request.heads is not None and request.heads not in family.q_heads:
         reasons.append(f"needs {_names(family.q_heads)} q heads on {family.name} "
                        f"(operator README), found {request.heads}")
-    topk = request.topk
-    if topk is not None and topk not in family.topk_widths and topk % INDEX_ALIGNMENT != 0:
+    topk, kind = request.topk, dict(request.extra).get("extra_kind", "unknown")
+    if topk is not None and kind == "topk" and topk not in family.topk_widths:
+        reasons.append(f"needs an indexer top-k width of {_names(family.topk_widths)} on {family.name} "
+                       f"(operator README), found {topk}")
+    elif topk is not None and kind == "dense" and topk % INDEX_ALIGNMENT != 0:
+        reasons.append(f"needs an HCA list width a multiple of {INDEX_ALIGNMENT}, found {topk}")
+    elif topk is not None and kind == "unknown" and topk not in family.topk_widths and topk % INDEX_ALIGNMENT:
         reasons.append(f"needs a compressed top-k width of {_names(family.topk_widths)} on {family.name}, "
                        f"or an HCA list (width a multiple of {INDEX_ALIGNMENT}), found {topk}")
     return reasons

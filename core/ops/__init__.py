@@ -12,6 +12,7 @@ import torch
 from dsv4.backend import OP_NAMES, Backend
 from dsv4.ops import library
 from dsv4.ops.dispatch import backend_name
+from dsv4.ops.library import EXTRA_KINDS
 from dsv4.ops.validate import FLOATS, check_dtype, check_rank, check_rows
 from dsv4.registry import get_registry
 from dsv4.specs.errors import DSV4ValueError
@@ -30,12 +31,14 @@ BackendArg = str | Backend | None
 I32, I64 = torch.int32, torch.int64
 
 
-def _call(op: str, backend: BackendArg, args: tuple, kwargs: dict):
+def _call(op: str, backend: BackendArg, args: tuple, kwargs: dict, hints: dict | None = None):
+    """Run ``op``: ``kwargs`` go to the backend, ``hints`` (selection only) to the custom op and the registry."""
+    hints = hints or {}
     if isinstance(backend, Backend):
         registry = get_registry()
         if backend.name not in registry.backend_names() or registry.get(backend.name) is not backend:
-            return library.run_backend(op, backend, args, kwargs)
-    return getattr(torch.ops.dsv4, op)(*args, **kwargs, backend=backend_name(backend))
+            return library.run_backend(op, backend, args, kwargs, hints)
+    return getattr(torch.ops.dsv4, op)(*args, **kwargs, **hints, backend=backend_name(backend))
 
 
 def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -136,9 +139,16 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor, swa_lens: torch.Tensor,
                      extra_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
                      extra_lens: torch.Tensor | None, sink: torch.Tensor, *, kv_format: str, softmax_scale: float,
-                     profile: str, backend: BackendArg = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                     profile: str, extra_kind: str = "unknown",
+                     backend: BackendArg = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC §7. q [T,H,512], swa_indices [T,W] int32 global slots, swa_lens [T] int32, optional extra
-    cache / indices [T,K] int32 / lens [T] int32, sink [H] fp32 -> (out [T,H,512] q.dtype, lse [T,H] fp32)."""
+    cache / indices [T,K] int32 / lens [T] int32, sink [H] fp32 -> (out [T,H,512] q.dtype, lse [T,H] fp32).
+
+    ``extra_kind`` says what the extra list is, for backend selection only (kernels that take an indexer
+    top-k of fixed widths but any HCA list): ``"topk"`` (CSA, the indexer's picks), ``"dense"`` (HCA, every
+    visible compressed entry), ``"none"`` (no extra list) or ``"unknown"``. The layer always sets it."""
+    if extra_kind not in EXTRA_KINDS:
+        raise DSV4ValueError.of("extra_kind", f"one of {', '.join(EXTRA_KINDS)}", extra_kind)
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
     num_tokens, heads = q.shape[0], q.shape[1]
@@ -154,9 +164,13 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     check_dtype("sink", sink, torch.float32, torch.float64)
     if tuple(sink.shape) != (heads,):
         raise DSV4ValueError.of("sink", f"shape ({heads},)", f"shape {tuple(sink.shape)}")
+    if (extra_kind == "none") != (extra_indices is None) and extra_kind != "unknown":
+        raise DSV4ValueError.of("extra_kind", "'none' exactly when there is no extra list",
+                                f"{extra_kind!r} with extra_indices {'None' if extra_indices is None else 'given'}")
     return _call("sparse_attention", backend,
                  (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
-                 {"kv_format": kv_format, "softmax_scale": float(softmax_scale), "profile": profile})
+                 {"kv_format": kv_format, "softmax_scale": float(softmax_scale), "profile": profile},
+                 {"extra_kind": extra_kind})
 
 
 def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, wo_a: torch.Tensor,

@@ -13,11 +13,16 @@ from dsv4.backend import Backend
 from dsv4.ops.dispatch import resolve
 from torch import Tensor
 
-__all__ = ["CUSTOM_OPS", "request_fields", "run_backend"]
+__all__ = ["CUSTOM_OPS", "EXTRA_KINDS", "request_fields", "run_backend"]
 
 
-def request_fields(op: str, args: tuple, kwargs: dict) -> dict:
-    """``OpRequest`` fields for one call of ``op`` (positional args and keyword args as in §3)."""
+# what sparse_attention's extra list is (selection hint: dsv4.ops.sparse_attention's docstring)
+EXTRA_KINDS = ("topk", "dense", "none", "unknown")
+
+
+def request_fields(op: str, args: tuple, kwargs: dict, hints: dict | None = None) -> dict:
+    """``OpRequest`` fields for one call of ``op`` (positional args and keyword args as in §3; ``hints``:
+    selection-only arguments, sparse_attention's ``extra_kind``)."""
     if op == "qnorm_rope_insert":
         q = args[0]
         return {"dtype": q.dtype, "kv_format": kwargs["kv_format"], "heads": q.shape[1],
@@ -33,17 +38,19 @@ def request_fields(op: str, args: tuple, kwargs: dict) -> dict:
         return {"dtype": args[0].dtype, "indexer_key_format": kwargs["key_format"], "topk": kwargs["topk"]}
     if op == "sparse_attention":
         q, extra_indices = args[0], args[5]
+        kind = (hints or {}).get("extra_kind", "unknown")
         return {"dtype": q.dtype, "kv_format": kwargs["kv_format"], "heads": q.shape[1],
                 "topk": None if extra_indices is None else extra_indices.shape[1],
-                "has_sink": True, "profile": kwargs["profile"]}
+                "has_sink": True, "profile": kwargs["profile"],
+                "extra": () if kind == "unknown" else (("extra_kind", kind),)}
     if op == "output_projection":
         return {"dtype": args[0].dtype, "heads": args[0].shape[1]}
     raise KeyError(op)
 
 
-def run_backend(op: str, backend: "str | Backend | None", args: tuple, kwargs: dict):
-    """Select the backend for this call and run ``op`` on it."""
-    impl = resolve(op, args[0].device, backend, **request_fields(op, args, kwargs))
+def run_backend(op: str, backend: "str | Backend | None", args: tuple, kwargs: dict, hints: dict | None = None):
+    """Select the backend for this call (``hints`` inform the selection only) and run ``op`` on it."""
+    impl = resolve(op, args[0].device, backend, **request_fields(op, args, kwargs, hints))
     return getattr(impl, op)(*args, **kwargs)
 
 
@@ -103,16 +110,17 @@ def _(q, w, positions, token_request, key_cache, key_block_table, topk, key_form
 @torch.library.custom_op("dsv4::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, swa_cache: Tensor, swa_indices: Tensor, swa_lens: Tensor,
                      extra_cache: Tensor | None, extra_indices: Tensor | None, extra_lens: Tensor | None,
-                     sink: Tensor, kv_format: str, softmax_scale: float, profile: str,
+                     sink: Tensor, kv_format: str, softmax_scale: float, profile: str, extra_kind: str,
                      backend: str) -> tuple[Tensor, Tensor]:
     return run_backend("sparse_attention", backend,
                        (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
-                       {"kv_format": kv_format, "softmax_scale": softmax_scale, "profile": profile})
+                       {"kv_format": kv_format, "softmax_scale": softmax_scale, "profile": profile},
+                       {"extra_kind": extra_kind})
 
 
 @sparse_attention.register_fake
 def _(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink, kv_format,
-      softmax_scale, profile, backend):
+      softmax_scale, profile, extra_kind, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 

@@ -202,6 +202,36 @@ def test_refusals_and_rules():
     assert any("LSE" in r for r in backend.not_supported_reasons(OpRequest(**{**vars(ok), "needs_lse": True})))
 
 
+def test_the_layer_kind_decides_which_widths_a2_a3_takes():
+    """A2/A3 takes indexer top-k 512 only, but HCA lists of any multiple of 128: with the layer's
+    ``extra_kind`` a V4-Pro CSA layer (top-k 1024) is refused at selection, so another backend runs it,
+    while an HCA list of 1024 is kept. Without the hint the rule stays lenient (either reading)."""
+    backend = AscendDSABackend(ops=FakeAscendOps())
+    base = {"op": "sparse_attention", "device_type": "npu", "arch": "ascend910b", "dtype": torch.bfloat16,
+                "kv_format": "ascend_bf16", "heads": 64, "profile": "ascend", "has_sink": True}
+
+    def reasons(topk, kind):
+        extra = () if kind is None else (("extra_kind", kind),)
+        return backend.not_supported_reasons(OpRequest(**base, topk=topk, extra=extra))
+
+    assert any("indexer top-k width of 512 on A2/A3" in r and "found 1024" in r for r in reasons(1024, "topk"))
+    assert reasons(512, "topk") == [] and reasons(1024, "dense") == [] and reasons(1024, None) == []
+    assert any("multiple of 128, found 200" in r for r in reasons(200, "dense"))
+    assert reasons(None, "none") == []
+
+
+def test_request_fields_carry_the_extra_kind():
+    from dsv4.ops.library import request_fields
+
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 1024, dtype=torch.int32)
+    args = (q, None, None, None, None, idx, None, None)
+    kwargs = {"kv_format": "ascend_bf16", "softmax_scale": 1.0, "profile": "ascend"}
+    assert request_fields("sparse_attention", args, kwargs, {"extra_kind": "topk"})["extra"] == (("extra_kind",
+                                                                                                  "topk"),)
+    assert request_fields("sparse_attention", args, kwargs)["extra"] == ()
+
+
 def test_call_time_refusals_before_the_operator_runs():
     case = make_case(kind="hca", cmp_block=16, lengths=(300,), queries=(1,), empty_rows=0)
     fake = FakeAscendOps()
