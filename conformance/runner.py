@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 from dsv4.backend import Backend, OpRequest
-from dsv4.conformance.cases import Case, Prepared, clone_prepared, default_cases, execute, prepare
+from dsv4.conformance.cases import (
+    Case,
+    Prepared,
+    clone_prepared,
+    default_cases,
+    execute,
+    prepare,
+    returned_dtypes,
+)
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
 from dsv4.conformance.tolerances import tolerance_for
@@ -119,11 +127,14 @@ def unmatched_expected_failures(backend: Backend, cases: Sequence[Case]) -> list
 
 
 def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                    *, lse_required: bool = True) -> dict[str, dict[str, Any]]:
-    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances."""
+                    *, lse_required: bool = True, check_dtypes: bool = True) -> dict[str, dict[str, Any]]:
+    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. With
+    ``check_dtypes`` (a backend's outputs) a return value of another dtype than the op's contract fails
+    (``returned_dtypes``); golden verification compares float64 ideals and turns it off."""
     from dsv4.codecs import get_codec
 
     op = prepared.case.op
+    contract = returned_dtypes(prepared) if check_dtypes else {}
     metrics: dict[str, dict[str, Any]] = {}
     for name in (*prepared.returns, *prepared.caches):
         tol = tolerance_for(op, name, prepared.case.profile)
@@ -132,6 +143,10 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
             continue
         if name not in actual:
             metrics[name] = {"passed": False, "reason": "output missing"}
+            continue
+        if name in contract and actual[name].dtype != contract[name]:
+            metrics[name] = {"passed": False, "reason": f"dtype {actual[name].dtype}, expected {contract[name]} "
+                                                        "(ARCHITECTURE §3)"}
             continue
         if tol.kind == "topk":
             args, _ = prepared.steps[0]

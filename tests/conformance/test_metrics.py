@@ -1,0 +1,53 @@
+"""dsv4.conformance.metrics and the runner's output contract: what makes an output fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+from dsv4.conformance.cases import Case, clone_prepared, execute, prepare, returned_dtypes
+from dsv4.conformance.golden import expected_outputs
+from dsv4.conformance.metrics import compare_cache, compare_tensor
+from dsv4.conformance.runner import compare_outputs
+from dsv4.conformance.tolerances import Tolerance
+
+
+def test_cosine_bound_is_strict() -> None:
+    """SPEC §13 says cosine difference < 5e-6: a difference equal to the bound fails."""
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(4096, generator=g, dtype=torch.float64)
+    a = e + 1e-3 * torch.randn(4096, generator=g, dtype=torch.float64)
+    cos = compare_tensor(a, e, Tolerance(abs_tol=1.0))["cos_diff"]
+    assert compare_tensor(a, e, Tolerance(abs_tol=1.0, cos_diff=cos))["passed"] is False
+    assert compare_tensor(a, e, Tolerance(abs_tol=1.0, cos_diff=cos * 1.01))["passed"] is True
+
+
+def test_an_unquantized_cache_is_compared_under_the_given_tolerance() -> None:
+    """A typed storage without a codec has no e4m3 ULP to allow: its elements are compared under the
+    tolerance the suite passes (no second number in metrics.py)."""
+    e = torch.ones(2, 8, dtype=torch.float32)
+    a = e.clone()
+    a[1, 3] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert compare_cache(a, e, None, Tolerance(kind="cache"))["passed"] is False
+    assert compare_cache(a, e, None, Tolerance(kind="cache", abs_tol=1e-6))["passed"] is True
+
+
+@pytest.mark.parametrize("case", [Case("sparse_attention", "csa", "vllm", "fp8_ds_mla", "decode"),
+                                  Case("indexer_topk", "csa", "deepseek", "indexer_mxfp4", "mixed"),
+                                  Case("indexer_q", "csa", "deepseek", "-", "mixed")], ids=lambda c: c.id)
+def test_a_backend_returning_the_wrong_dtypes_fails(case: Case) -> None:
+    """The reference's outputs with every float return widened to fp32 / fp64 and top-k to int64 (values
+    unchanged) must fail on dtype alone; the same outputs in the contract's dtypes pass."""
+    from dsv4.backends.reference import ReferenceBackend
+
+    prepared = prepare(case)
+    expected = expected_outputs(prepared)
+    actual = execute(clone_prepared(prepared), getattr(ReferenceBackend(), case.op))
+    lse = case.op != "sparse_attention"
+    assert all(m["passed"] is not False for m in compare_outputs(prepared, actual, expected, lse_required=lse)
+               .values())
+    contract = returned_dtypes(prepared)
+    widened = {k: v.to(torch.int64 if v.dtype == torch.int32 else torch.float64) for k, v in actual.items()}
+    metrics = compare_outputs(prepared, widened, expected, lse_required=lse)
+    for name in contract:
+        if name == "lse" and not lse:
+            continue
+        assert metrics[name]["passed"] is False and "dtype" in metrics[name]["reason"], (name, metrics[name])
