@@ -154,11 +154,15 @@ def sm120_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices
     flashinfer_mla = flashinfer_mla if flashinfer_mla is not None else import_flashinfer_mla()
     num_heads = q.shape[1]
     padded = layout.padded_head_count(num_heads)
-    swa_rows, swa_counts = layout.pack_left(swa_indices, swa_lens)
+    # flashinfer's SM120 prefill kernels read whole 64-wide index tiles (topk % 64 == 0; its decode takes
+    # any calibrated width): pad both tables with -1 columns, which ``*_topk_lens`` never reach
+    tile = layout.SM120_INDEX_TILE
+    swa_rows, swa_counts = layout.pack_left(swa_indices, swa_lens, layout.round_up(swa_indices.shape[1], tile))
     extra_view = extra_rows = extra_counts = None
     if extra_cache is not None:
         extra_view = layout.fp8_ds_mla_view(extra_cache)
-        extra_rows, extra_counts = layout.pack_left(extra_indices, extra_lens)
+        extra_rows, extra_counts = layout.pack_left(extra_indices, extra_lens,
+                                                    layout.round_up(extra_indices.shape[1], tile))
     out = flashinfer_mla.trtllm_batch_decode_sparse_mla_dsv4(
         layout.pad_heads(q, padded), layout.fp8_ds_mla_view(swa_cache), workspace_for(q.device),
         sparse_indices=swa_rows, compressed_kv_cache=extra_view,

@@ -23,6 +23,7 @@ from dsv4.specs.formats import round_up
 
 __all__ = [
     "HEAD_BUCKETS",
+    "SM120_INDEX_TILE",
     "SWA_COLUMNS",
     "TOPK_COLUMN_ALIGNMENT",
     "CombinedTable",
@@ -42,6 +43,9 @@ HEAD_BUCKETS = (8, 16, 32, 64, 128)
 SWA_COLUMNS = 128
 # SPEC §11: table widths are multiples of 4 (16-byte vector loads of int32 indices).
 TOPK_COLUMN_ALIGNMENT = 4
+# flashinfer's SM120 prefill reads index rows in whole 64-wide tiles (``_sparse_mla_sm120/_api.py``: "Ordinary
+# prefill requires topk % 64 == 0"); its decode takes calibrated widths, padded rows included.
+SM120_INDEX_TILE = 64
 
 
 

@@ -117,6 +117,8 @@ class FakeFlashInferMLA:
         assert query.dtype == torch.bfloat16 and kv_layout == "NHD"
         assert not isinstance(bmm1, torch.Tensor) and bmm2 == 1.0
         assert swa_lens is not None and (extra_indices is None) == (extra_lens is None)
+        # its prefill kernels read whole 64-wide index tiles (flashinfer 0.7.2.post1 _sparse_mla_sm120/_api.py)
+        assert indices.shape[-1] % 64 == 0 and (extra_indices is None or extra_indices.shape[-1] % 64 == 0)
         keys, valid = self._packed_rows(swa, indices, swa_lens)
         if extra_indices is not None:
             assert compressed is not None
