@@ -63,8 +63,10 @@ class CacheLayoutError(DSV4ValueError):
 
 
 class BackendUnavailableError(DSV4Error, RuntimeError):
-    """A backend was asked for but cannot run here (its probe says why)."""
+    """A backend was asked for but cannot run here (its probe says why). A ``RuntimeError``: the
+    machine (hardware, vendor package), not an argument, is what is missing."""
 
 
-class NoBackendError(DSV4Error, RuntimeError):
-    """No backend fits an op request; the message lists every candidate with its reasons."""
+class NoBackendError(DSV4ValueError, RuntimeError):
+    """No backend fits an op request; the message lists every candidate with its reasons. A
+    ``ValueError`` (the request's values: format, heads, top-k, device) and, as before, a ``RuntimeError``."""
