@@ -1,8 +1,25 @@
 """``dsv4.ops``: the six ops of ARCHITECTURE.md §3, dispatched to a backend.
 
-Each function validates its arguments (dtypes, ranks, row counts; no device sync), then calls
-the ``torch.ops.dsv4.<op>`` custom op, which selects a backend through :mod:`dsv4.registry`
-(explicit ``backend``, then ``DSV4_BACKEND``, then the platform priority list) and runs it.
+Each function validates its arguments, then calls the ``torch.ops.dsv4.<op>`` custom op, which
+selects a backend through :mod:`dsv4.registry` (explicit ``backend``, then ``DSV4_BACKEND``, then
+the platform priority list) and runs it. Every check runs before the backend, so a rejected call
+writes nothing (SPEC §12). Two kinds of checks:
+
+* dtypes, ranks, row counts: always (they read no values).
+* value ranges of every index-like argument (SPEC §10, §12): slot mappings in ``[-1, capacity)``
+  (capacity = cache blocks x block size, from the format's codec), block-table pages in
+  ``[-1, num_blocks)``, positions in ``[0, rows of cos_sin)`` (``>= 0`` for ``indexer_topk``),
+  ``token_request`` in the block table's rows, sparse ``lens`` in ``[0, width]`` and the entries
+  they cover in ``[-1, capacity)``, compressed slots only where a block closes, with a state page
+  for every position its window reads. One min/max reduction per tensor, which on an accelerator
+  is a device sync, so: **always on the CPU; on an accelerator only when switched on**, by
+  ``DSV4_VALIDATE=1`` (read once, at the first check) or :func:`set_value_checks` (``True`` /
+  ``False``; ``None`` goes back to the environment). Never while ``torch.compile`` traces or a
+  CUDA graph is captured. The :class:`~dsv4.Attention` layer's metadata comes from ``plan_step``
+  and is valid by construction, so its GPU path stays sync-free by default; switch validation on
+  when calling the ops directly with hand-built metadata (a backend kernel given an out-of-range
+  index reads or writes outside the cache).
+
 ``backend`` may be ``"auto"``, a registered name, or a :class:`~dsv4.backend.Backend` instance
 (an unregistered instance is called directly, outside the custom op).
 """
@@ -13,7 +30,23 @@ from dsv4.backend import OP_NAMES, Backend
 from dsv4.ops import library
 from dsv4.ops.dispatch import backend_name
 from dsv4.ops.library import EXTRA_KINDS
-from dsv4.ops.validate import FLOATS, check_dtype, check_rank, check_rows
+from dsv4.ops.validate import (
+    FLOATS,
+    cache_capacity,
+    check_compressed_slots,
+    check_dtype,
+    check_indices,
+    check_pages,
+    check_positions_nonnegative,
+    check_positions_range,
+    check_rank,
+    check_request_ids,
+    check_rows,
+    check_slots,
+    closing_windows,
+    set_value_checks,
+    value_checks_enabled,
+)
 from dsv4.registry import get_registry
 from dsv4.specs.errors import DSV4ValueError
 
@@ -24,7 +57,9 @@ __all__ = [
     "indexer_topk",
     "output_projection",
     "qnorm_rope_insert",
+    "set_value_checks",
     "sparse_attention",
+    "value_checks_enabled",
 ]
 
 BackendArg = str | Backend | None
@@ -56,6 +91,9 @@ def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     _positions(positions, num_tokens)
     _cos_sin(cos_sin)
     _slots("swa_slot_mapping", swa_slot_mapping, num_tokens)
+    if value_checks_enabled(q):
+        check_positions_range(positions, cos_sin.shape[0])
+        _slots_in_cache("swa_slot_mapping", swa_slot_mapping, kv_format, swa_cache)
     return _call("qnorm_rope_insert", backend, (q, kv, positions, cos_sin, swa_cache, swa_slot_mapping),
                  {"kv_format": kv_format, "eps": float(eps), "profile": profile})
 
@@ -84,6 +122,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     _positions(positions, num_tokens)
     _request_ids(token_request, num_tokens)
     check_dtype("state_cache", state_cache, torch.float32)  # SPEC §12: compressor state must be fp32
+    check_rank("state_cache", state_cache, 3)
     if state_cache.shape[-1] != width:
         raise DSV4ValueError.of("state_cache", f"rows of {width} fp32", f"shape {tuple(state_cache.shape)}")
     check_rank("state_block_table", state_block_table, 2)
@@ -95,6 +134,14 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     if tuple(norm_weight.shape) != (head_dim,):
         raise DSV4ValueError.of("norm_weight", f"shape ({head_dim},)", f"shape {tuple(norm_weight.shape)}")
     _cos_sin(cos_sin)
+    if value_checks_enabled(kv_score):
+        check_positions_range(positions, cos_sin.shape[0])
+        check_slots("state_slot_mapping", state_slot_mapping, state_cache.shape[0] * state_cache.shape[1])
+        _slots_in_cache("out_slot_mapping", out_slot_mapping, out_format, out_cache)
+        check_request_ids(token_request, state_block_table.shape[0])
+        check_pages("state_block_table", state_block_table, state_cache.shape[0])
+        check_compressed_slots(positions, out_slot_mapping, ratio)
+        closing_windows(positions, token_request, out_slot_mapping, state_block_table, state_cache.shape[1], ratio)
     _call("compress_insert", backend,
           (kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape, norm_weight,
            cos_sin, out_cache, out_slot_mapping),
@@ -113,6 +160,8 @@ def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
         raise DSV4ValueError.of("weights", f"shape {tuple(index_q.shape[:2])}", f"shape {tuple(weights.shape)}")
     _positions(positions, num_tokens)
     _cos_sin(cos_sin)
+    if value_checks_enabled(index_q):
+        check_positions_range(positions, cos_sin.shape[0])
     return _call("indexer_q", backend, (index_q, weights, positions, cos_sin), {"profile": profile})
 
 
@@ -132,6 +181,10 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     check_dtype("key_block_table", key_block_table, I32)
     if int(topk) <= 0:
         raise DSV4ValueError.of("topk", "a positive width", topk)
+    if value_checks_enabled(q):
+        check_positions_nonnegative(positions)
+        check_request_ids(token_request, key_block_table.shape[0])
+        check_pages("key_block_table", key_block_table, key_cache.shape[0])
     return _call("indexer_topk", backend, (q, w, positions, token_request, key_cache, key_block_table),
                  {"topk": int(topk), "key_format": key_format, "ratio": int(ratio)})
 
@@ -167,6 +220,10 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     if (extra_kind == "none") != (extra_indices is None) and extra_kind != "unknown":
         raise DSV4ValueError.of("extra_kind", "'none' exactly when there is no extra list",
                                 f"{extra_kind!r} with extra_indices {'None' if extra_indices is None else 'given'}")
+    if value_checks_enabled(q):
+        check_indices("swa_indices", swa_indices, swa_lens, cache_capacity(kv_format, swa_cache))
+        if extra_indices is not None:
+            check_indices("extra_indices", extra_indices, extra_lens, cache_capacity(kv_format, extra_cache))
     return _call("sparse_attention", backend,
                  (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
                  {"kv_format": kv_format, "softmax_scale": float(softmax_scale), "profile": profile},
@@ -190,6 +247,8 @@ def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     groups = width // wo_a.shape[1]
     if wo_a.shape[0] % groups != 0 or wo_b.shape[1] != wo_a.shape[0]:
         raise DSV4ValueError.of("wo_b", f"shape [hidden, {wo_a.shape[0]}]", f"shape {tuple(wo_b.shape)}")
+    if value_checks_enabled(o):
+        check_positions_range(positions, cos_sin.shape[0])
     return _call("output_projection", backend, (o, positions, cos_sin, wo_a, wo_b),
                  {"fp8_activations": bool(fp8_activations)})
 
@@ -211,6 +270,12 @@ def _slots(name: str, slots: torch.Tensor, num_tokens: int) -> None:
     check_dtype(name, slots, I64)
     check_rank(name, slots, 1)
     check_rows(name, slots, num_tokens)
+
+
+def _slots_in_cache(name: str, slots: torch.Tensor, format_name: str, cache: torch.Tensor) -> None:
+    capacity = cache_capacity(format_name, cache)
+    if capacity is not None:  # None: a layout the codec cannot read, which the backend reports
+        check_slots(name, slots, capacity)
 
 
 def _cos_sin(cos_sin: torch.Tensor) -> None:

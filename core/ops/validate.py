@@ -1,18 +1,48 @@
-"""Boundary checks shared by the public ops (SPEC §12): dtype, rank and row-count checks only.
+"""Boundary checks shared by the public ops and the reference (SPEC §12).
 
-Nothing here reads tensor values, so no check costs a device sync; everything runs before the
-backend is called, so a rejected call writes nothing.
+Two kinds. *Structural* checks (dtype, rank, row count) read no tensor values and always run.
+*Value-range* checks (slot mappings, block-table pages, positions, sparse indices and lens, token
+request rows) read values: one min/max reduction per tensor, which on an accelerator is a device
+sync. :func:`value_checks_enabled` says when they run at the ``dsv4.ops`` boundary: always on the
+CPU, on an accelerator only when switched on (``DSV4_VALIDATE=1``, read once, or
+:func:`set_value_checks`). The reference ops run them unconditionally.
+
+Everything runs before the backend is called, so a rejected call writes nothing.
 """
 from __future__ import annotations
 
-import torch
-from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+import functools
+import os
 
-__all__ = ["FLOATS", "check_dtype", "check_rank", "check_rows", "check_tensor"]
+import torch
+from dsv4.specs.errors import DSV4Error, DSV4TypeError, DSV4ValueError
+
+__all__ = [
+    "FLOATS",
+    "VALIDATE_ENV",
+    "cache_capacity",
+    "check_compressed_slots",
+    "check_dtype",
+    "check_indices",
+    "check_pages",
+    "check_positions_nonnegative",
+    "check_positions_range",
+    "check_rank",
+    "check_request_ids",
+    "check_rows",
+    "check_slots",
+    "check_tensor",
+    "closing_windows",
+    "device_value_checks",
+    "set_value_checks",
+    "value_checks_enabled",
+]
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+VALIDATE_ENV = "DSV4_VALIDATE"
 
 
+# -- structural checks (no value reads) -----------------------------------------------------------
 def check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise DSV4TypeError.of(name, "a torch.Tensor", type(t).__name__)
@@ -35,3 +65,156 @@ def check_rank(name: str, t: torch.Tensor, ndim: int) -> None:
 def check_rows(name: str, t: torch.Tensor, num_tokens: int) -> None:
     if t.shape[0] != num_tokens:
         raise DSV4ValueError.of(name, f"{num_tokens} rows (one per token)", f"shape {tuple(t.shape)}")
+
+
+# -- when value checks run ------------------------------------------------------------------------
+_switch: bool | None = None  # set_value_checks; None: the environment decides
+
+
+@functools.cache
+def _env_enabled() -> bool:
+    return os.environ.get(VALIDATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_value_checks(enabled: bool | None) -> None:
+    """Switch the value-range checks on accelerators on (True) or off (False); None: back to
+    ``DSV4_VALIDATE``. CPU tensors are always checked (no sync to save)."""
+    global _switch
+    _switch = None if enabled is None else bool(enabled)
+
+
+def value_checks_enabled(t: torch.Tensor) -> bool:
+    """Whether the ``dsv4.ops`` boundary reads the values of index tensors like ``t``.
+
+    Never while tracing (``torch.compile``, ``make_fx``, fake or meta tensors): no values to read.
+    Otherwise :func:`device_value_checks` of ``t``'s device.
+    """
+    if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t):
+        return False
+    return device_value_checks(t.device)
+
+
+def device_value_checks(device: torch.device) -> bool:
+    """Always on the CPU (no sync to save); on an accelerator only when switched on, since each check
+    is a device sync (STYLE: none in the hot path; the layer's metadata comes from ``plan_step`` and is
+    valid by construction), and never during CUDA-graph capture, where a value read is impossible."""
+    if device.type == "cpu":
+        return True
+    if not (_env_enabled() if _switch is None else _switch):
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake  # late: only the check needs it
+
+    return is_fake(t)
+
+
+def cache_capacity(format_name: str, cache: torch.Tensor) -> int | None:
+    """Slots of ``cache`` (blocks x block size, from the codec of ``format_name``); None when the
+    codec cannot read the layout: the backend then reports the layout error itself."""
+    from dsv4.codecs import get_codec  # late: the codecs are not needed to import the ops
+
+    try:
+        return cache.shape[0] * get_codec(format_name).block_size_of(cache)
+    except DSV4Error:
+        return None
+
+
+# -- value-range checks (one min/max reduction per tensor) -----------------------------------------
+def _min_max(t: torch.Tensor) -> tuple[int, int]:
+    low, high = torch.stack(torch.aminmax(t)).tolist()  # one reduction, one read
+    return int(low), int(high)
+
+
+def check_slots(name: str, slots: torch.Tensor, capacity: int) -> None:
+    """Every slot is -1 (skip) or in ``[0, capacity)`` (SPEC §10, §12)."""
+    if slots.numel() == 0:
+        return
+    low, high = _min_max(slots)
+    if low < -1 or high >= capacity:
+        bad = (slots < -1) | (slots >= capacity)
+        raise DSV4ValueError.of(name, f"-1 or values in [0, {capacity})",
+                                f"{slots[bad][:4].tolist()} (first offenders)")
+
+
+def check_pages(name: str, block_table: torch.Tensor, num_blocks: int) -> None:
+    """Every block-table entry is -1 (no page) or a page id in ``[0, num_blocks)`` (SPEC §10)."""
+    if block_table.numel() == 0:
+        return
+    low, high = _min_max(block_table)
+    if low < -1 or high >= num_blocks:
+        raise DSV4ValueError.of(name, f"-1 or page ids in [0, {num_blocks}) (blocks of the cache)",
+                                f"range [{low}, {high}]")
+
+
+def check_positions_range(positions: torch.Tensor, rows: int) -> None:
+    """positions in ``[0, rows)``, ``rows`` the rows of ``cos_sin``."""
+    if positions.numel() == 0:
+        return
+    low, high = _min_max(positions)
+    if low < 0 or high >= rows:
+        raise DSV4ValueError.of("positions", f"values in [0, {rows}) (rows of cos_sin)", f"range [{low}, {high}]")
+
+
+def check_positions_nonnegative(positions: torch.Tensor) -> None:
+    if positions.numel() and (low := _min_max(positions)[0]) < 0:
+        raise DSV4ValueError.of("positions", "values >= 0", low)
+
+
+def check_request_ids(token_request: torch.Tensor, rows: int) -> None:
+    """Every token's request row is a row of the block table (``rows`` of them)."""
+    if token_request.numel() == 0:
+        return
+    low, high = _min_max(token_request)
+    if low < 0 or high >= rows:
+        raise DSV4ValueError.of("token_request", f"values in [0, {rows})", f"range [{low}, {high}]")
+
+
+def check_indices(name: str, indices: torch.Tensor, lens: torch.Tensor, capacity: int | None) -> None:
+    """``lens`` in ``[0, width]``; the first ``lens[t]`` entries of row t are -1 or slots in
+    ``[0, capacity)`` (entries past ``lens`` are never read; capacity None: lens only)."""
+    if indices.shape[0] == 0:
+        return
+    lens_name = name.replace("indices", "lens")
+    width = indices.shape[1]
+    low, high = _min_max(lens)
+    if low < 0 or high > width:
+        raise DSV4ValueError.of(lens_name, f"values in [0, {width}] (the width of {name})", f"range [{low}, {high}]")
+    if capacity is None or width == 0:
+        return
+    read = torch.arange(width, device=indices.device)[None, :] < lens[:, None]
+    low, high = _min_max(torch.where(read, indices, -1))
+    if low < -1 or high >= capacity:
+        check_slots(name, indices[read], capacity)
+
+
+def check_compressed_slots(positions: torch.Tensor, out_slot_mapping: torch.Tensor, ratio: int) -> None:
+    """compress_insert: a compressed slot only where ``(p+1) % ratio == 0`` (SPEC §10)."""
+    stray = (out_slot_mapping >= 0) & ((positions + 1) % ratio != 0)
+    if bool(stray.any()):
+        first = int(stray.nonzero()[0, 0])
+        raise DSV4ValueError.of("out_slot_mapping", "-1 where (p+1) % ratio != 0",
+                                f"slot {int(out_slot_mapping[first])} at position {int(positions[first])}")
+
+
+def closing_windows(positions: torch.Tensor, token_request: torch.Tensor, out_slot_mapping: torch.Tensor,
+                    state_block_table: torch.Tensor, state_block_size: int,
+                    ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compress_insert (SPEC §5.2): the tokens that close a block, the ``coff*ratio`` positions each
+    reads (``[K, W]``) and their state slots; raises unless every position >= 0 has a state page."""
+    from dsv4.reference._common import slots_from_block_table  # late: the reference imports this module
+
+    closing = (((positions + 1) % ratio == 0) & (out_slot_mapping >= 0)).nonzero().flatten()
+    window = (2 if ratio == 4 else 1) * ratio  # r = 4 windows overlap the previous block
+    gather_positions = positions[closing, None] + torch.arange(window, device=positions.device) - window + 1
+    gather_slots = slots_from_block_table(state_block_table, token_request[closing, None], gather_positions,
+                                          state_block_size)
+    missing = (gather_positions >= 0) & (gather_slots < 0)
+    if bool(missing.any()):
+        k, j = (int(v) for v in missing.nonzero()[0])
+        raise DSV4ValueError.of("state_block_table", "a page for every position read by a closing block",
+                                f"no page for position {int(gather_positions[k, j])} "
+                                f"of request {int(token_request[closing[k]])}")
+    return closing, gather_positions, gather_slots

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from dsv4.ops.validate import check_positions_range
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
 # SPEC §1: dims fixed by the kernels (these are dims, not byte counts).
@@ -95,19 +96,7 @@ def check_positions(positions: torch.Tensor, num_tokens: int, cos_sin: torch.Ten
     check_float("cos_sin", cos_sin, (torch.float32, torch.float64))
     if cos_sin.dim() != 2 or cos_sin.shape[1] % 2:
         raise DSV4ValueError.of("cos_sin", "shape [P, rope_dim] with rope_dim even", list(cos_sin.shape))
-    if num_tokens and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
-        raise DSV4ValueError.of("positions", f"values in [0, {cos_sin.shape[0]}) (rows of cos_sin)",
-                                f"range [{int(positions.min())}, {int(positions.max())}]")
-
-
-def check_slots(name: str, slots: torch.Tensor, capacity: int) -> None:
-    """Every slot is -1 (skip) or in ``[0, capacity)`` (SPEC §10, §12)."""
-    if slots.numel() == 0:
-        return
-    bad = (slots < -1) | (slots >= capacity)
-    if bool(bad.any()):
-        raise DSV4ValueError.of(name, f"-1 or values in [0, {capacity})",
-                                f"{slots[bad][:4].tolist()} (first offenders)")
+    check_positions_range(positions, cos_sin.shape[0])
 
 
 # --------------------------------------------------------------------------- math and paging

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
+from dsv4.ops.validate import check_indices
 from dsv4.reference._common import (
     check_dim,
     check_float,
     check_int,
     check_shape,
-    check_slots,
     compute_dtype,
     get_codec,
     get_profile,
@@ -55,13 +55,7 @@ def _check_table(name: str, indices: torch.Tensor, lens: torch.Tensor, num_token
     lens_name = name.replace("indices", "lens")
     check_int(lens_name, lens, torch.int32)
     check_shape(lens_name, lens, (num_tokens,))
-    if num_tokens == 0:
-        return
-    if int(lens.min()) < 0 or int(lens.max()) > indices.shape[1]:
-        raise DSV4ValueError.of(lens_name, f"values in [0, {indices.shape[1]}] (the width of {name})",
-                                f"range [{int(lens.min())}, {int(lens.max())}]")
-    read = torch.arange(indices.shape[1], device=indices.device)[None, :] < lens[:, None]
-    check_slots(name, indices[read], capacity)
+    check_indices(name, indices, lens, capacity)
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

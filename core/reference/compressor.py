@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from dsv4.hadamard import hadamard_transform
+from dsv4.ops.validate import check_compressed_slots, check_request_ids, check_slots, closing_windows
 from dsv4.reference._common import (
     COMPRESS_RATIOS,
     INDEXER_HEAD_DIM,
@@ -13,16 +14,14 @@ from dsv4.reference._common import (
     check_int,
     check_positions,
     check_shape,
-    check_slots,
     compute_dtype,
     get_codec,
     get_profile,
     is_ideal,
     rms_norm,
-    slots_from_block_table,
 )
 from dsv4.rope import apply_rope_to_tail
-from dsv4.specs.errors import ConfigError, DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import ConfigError, DSV4TypeError
 
 __all__ = ["compress_blocks", "compress_insert"]
 
@@ -76,15 +75,8 @@ def _validate(kv_score: torch.Tensor, positions: torch.Tensor, token_request: to
     check_slots("out_slot_mapping", out_slot_mapping, out_capacity)
     if num_tokens == 0:
         return
-    if int(token_request.min()) < 0 or int(token_request.max()) >= state_block_table.shape[0]:
-        raise DSV4ValueError.of("token_request", f"values in [0, {state_block_table.shape[0]})",
-                                f"range [{int(token_request.min())}, {int(token_request.max())}]")
-    # SPEC §10: a compressed slot exists only where (p+1) % r == 0.
-    stray = (out_slot_mapping >= 0) & ((positions + 1) % ratio != 0)
-    if bool(stray.any()):
-        first = int(stray.nonzero()[0, 0])
-        raise DSV4ValueError.of("out_slot_mapping", "-1 where (p+1) % ratio != 0",
-                                f"slot {int(out_slot_mapping[first])} at position {int(positions[first])}")
+    check_request_ids(token_request, state_block_table.shape[0])
+    check_compressed_slots(positions, out_slot_mapping, ratio)
 
 
 def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
@@ -130,22 +122,12 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
     compute = compute_dtype(kv_score.dtype)
     coff = 2 if ratio == COMPRESS_RATIOS[0] else 1
     half = coff * head_dim
-    window = coff * ratio
     state_rows = state_cache.view(-1, state_cache.shape[-1])
     block_size = state_cache.shape[1]
 
     # Close-block check before any write (nothing is written on a rejected call, SPEC §12).
-    closing = (((positions + 1) % ratio == 0) & (out_slot_mapping >= 0)).nonzero().flatten()
-    offsets = torch.arange(window, device=positions.device) - window + 1
-    gather_positions = positions[closing, None] + offsets                       # [K, W]
-    gather_slots = slots_from_block_table(state_block_table, token_request[closing, None],
-                                          gather_positions, block_size)
-    missing = (gather_positions >= 0) & (gather_slots < 0)
-    if bool(missing.any()):
-        k, j = (int(v) for v in missing.nonzero()[0])
-        raise DSV4ValueError.of("state_block_table", "a page for every position read by a closing block",
-                                f"no page for position {int(gather_positions[k, j])} "
-                                f"of request {int(token_request[closing[k]])}")
+    closing, gather_positions, gather_slots = closing_windows(positions, token_request, out_slot_mapping,
+                                                              state_block_table, block_size, ratio)
 
     # SPEC §5.1: every token with a state slot stores [kv | score + ape[p % r]].
     kv_score = kv_score.to(compute)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from dsv4.hadamard import hadamard_transform
+from dsv4.ops.validate import check_positions_nonnegative, check_request_ids
 from dsv4.reference._common import (
     FP4_BLOCK,
     bf16_round,
@@ -126,11 +127,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0:
         return out
-    if int(positions.min()) < 0:
-        raise DSV4ValueError.of("positions", "values >= 0", int(positions.min()))
-    if int(token_request.min()) < 0 or int(token_request.max()) >= key_block_table.shape[0]:
-        raise DSV4ValueError.of("token_request", f"values in [0, {key_block_table.shape[0]})",
-                                f"range [{int(token_request.min())}, {int(token_request.max())}]")
+    check_positions_nonnegative(positions)
+    check_request_ids(token_request, key_block_table.shape[0])
     codec = get_codec(key_format)
     block_size = codec.block_size_of(key_cache)
     visible = (positions + 1) // ratio                                          # [T]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from dsv4.ops.validate import check_slots
 from dsv4.reference._common import (
     bf16_round,
     check_dim,
@@ -9,7 +10,6 @@ from dsv4.reference._common import (
     check_int,
     check_positions,
     check_shape,
-    check_slots,
     compute_dtype,
     get_codec,
     get_profile,
