@@ -5,13 +5,24 @@ Subcommands (``run`` is the default)::
     dsv4-conformance list  [--json]
     dsv4-conformance run   [--backend NAME ...] [--op OP ...] [-k EXPR] [--device DEV]
                            [--json PATH] [--junit PATH] [--differential A B [--seed N]]
-    dsv4-conformance golden --verify | --regenerate
-    dsv4-conformance layer-golden FILE.json [--backend NAME] [--device DEV] [--save-outputs OUT.safetensors]
+    dsv4-conformance golden --verify [--tolerance] | --regenerate
+    dsv4-conformance layer-golden FILE.json [--backend NAME] [--device DEV] [--tp N] [--cp N]
+                           [--save-outputs OUT.safetensors]
     dsv4-conformance plan  (--preset NAME | --config config.json) [--context N] [--profile P] [--json]
 
-Exit status: 0 when everything ran passed (expected failures excepted), 1 on any failure or
-error, 2 on a usage error. With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load makes
-every subcommand exit 1.
+Exit status:
+
+- 0: something ran and everything that ran passed (expected failures excepted; an unexpected
+  pass, XPASS, is reported but does not fail the run); ``golden --verify``: every golden is
+  bit-exact (with ``--tolerance``: within the suite's tolerances).
+- 1: a failure or error; nothing ran at all (every row skipped or unsupported); a file that exists
+  but is malformed, incomplete or fails its integrity check (goldens, layer goldens, configs).
+- 2: a usage error: an unknown backend, op or device name, ``--op``/``-k`` selecting no case, a
+  number out of range (``--tp``, ``--cp``, ``--context`` must be >= 1), a FILE argument that
+  does not exist.
+
+Every error is one line on stderr: ``dsv4-conformance: <argument>: expected <what>, got <value>``.
+With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load makes every subcommand exit 1.
 
 ``plan`` arithmetic (SPEC §9), which ``--json`` shows in full: a layer kind's bytes per token is
 the bytes of one cache row divided by the raw tokens it covers, page padding included. With the
@@ -27,6 +38,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["build_parser", "main"]
@@ -69,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--verify", action="store_true", help="recompute every golden and compare (sha256 first)")
     group.add_argument("--regenerate", action="store_true", help="rewrite goldens and manifest (explicit only)")
+    p.add_argument("--tolerance", action="store_true",
+                   help="with --verify: accept the suite's tolerances instead of bit-exact equality")
     p = sub.add_parser("layer-golden", help="replay a dsv4-layer-golden/1 file (SPEC §14)")
     p.add_argument("file")
     p.add_argument("--backend", action="append", default=None,
@@ -141,38 +155,63 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outcome_label(row: Any) -> str:
+    colors = {"passed": "green", "failed": "red", "error": "red", "unsupported": "yellow", "skipped": "dim"}
+    if row.expected_failure and row.outcome == "passed":
+        return "[yellow]XPASS[/] (unexpected pass of an expected failure)"
+    label = f"[{colors[row.outcome]}]{row.outcome}[/]"
+    return label + " (expected)" if row.expected_failure and row.outcome in ("failed", "error") else label
+
+
 def _print_results(result: Any) -> None:
+    from dsv4.conformance.report import expectation_counts
     from rich.table import Table
 
     console = _console()
     table = Table(title=f"dsv4 conformance on {result.device}")
     for column in ("backend", "op", "case", "outcome", "max abs err", "cos diff", "s", "detail"):
         table.add_column(column, overflow="fold")
-    colors = {"passed": "green", "failed": "red", "error": "red", "unsupported": "yellow", "skipped": "dim"}
     for row in result.rows:
         errs = [m.get("max_abs_err") for m in row.metrics.values() if isinstance(m.get("max_abs_err"), float)]
         coss = [m.get("cos_diff") for m in row.metrics.values() if isinstance(m.get("cos_diff"), float)]
-        outcome = f"[{colors[row.outcome]}]{row.outcome}[/]" + (" (expected)" if row.expected_failure else "")
-        table.add_row(row.backend, row.op, row.case.split("/", 1)[1], outcome,
+        detail = row.summary()[:160]
+        if row.expected_failure:
+            detail = f"expected failure: {row.expected_failure}" + (f"; {detail}" if detail else "")
+        table.add_row(row.backend, row.op, row.case.split("/", 1)[1], _outcome_label(row),
                       f"{max(errs):.2e}" if errs else "-", f"{max(coss):.1e}" if coss else "-",
-                      f"{row.seconds:.2f}", row.summary()[:160])
+                      f"{row.seconds:.2f}", detail[:200])
     console.print(table)
-    counts = result.counts()
+    counts = {**result.counts(), **{k: v for k, v in expectation_counts(result.rows).items() if v}}
     color = "green" if result.passed else "red"
-    console.print(f"[{color}]" + ", ".join(f"{v} {k}" for k, v in counts.items()) + "[/]")
+    console.print(f"[{color}]" + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()) + "[/]")
+
+
+def _nothing_ran(result: Any) -> str:
+    """Empty when some row passed, failed or errored; else one line saying why nothing ran."""
+    if any(r.outcome in ("passed", "failed", "error") for r in result.rows):
+        return ""
+    counts = result.counts()
+    first = next((f"{r.backend}: {r.reasons[0]}" for r in result.rows if r.reasons), "no rows")
+    return (f"nothing ran: {counts['skipped']} skipped, {counts['unsupported']} unsupported of "
+            f"{len(result.rows)} (first reason: {first.splitlines()[0][:200]})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dsv4.conformance.cases import default_cases, select_cases
     from dsv4.conformance.report import build_report, write_json, write_junit
     from dsv4.conformance.runner import run_differential, run_suite
+    from dsv4.conformance.usage import check_backend_names, check_cases_selected, check_device, check_ops
     from rich.progress import Progress
 
-    cases = select_cases(default_cases(), args.op, args.keyword)
+    every_case = default_cases()
+    check_ops(args.op, sorted({c.op for c in every_case}))
+    cases = select_cases(every_case, args.op, args.keyword)
+    check_cases_selected(cases, args.op, args.keyword)
+    check_device(args.device)
     registry = _registry()
-    if args.backend:
-        for name in args.backend:
-            registry.get(name)  # unknown name: NoBackendError listing the known ones
+    check_backend_names(registry, args.backend or [])
+    if args.differential:
+        check_backend_names(registry, args.differential, argument="--differential")
     backends = args.backend or registry.available_backends()
     runs = 1 if args.differential else max(1, len(backends))
     with Progress(transient=True) as bar:
@@ -192,11 +231,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_json(report, args.json_path)
     if args.junit_path:
         write_junit(report, args.junit_path)
-    return 0 if result.passed and result.rows else 1
+    nothing = _nothing_ran(result)
+    if nothing:
+        print(f"dsv4-conformance: {nothing}", file=sys.stderr)
+        return 1
+    return 0 if result.passed else 1
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
-    from dsv4.conformance.golden import GoldenStore, regenerate
+    from dsv4.conformance.golden import regenerate
 
     console = _console()
     if args.regenerate:
@@ -204,47 +247,67 @@ def cmd_golden(args: argparse.Namespace) -> int:
         size = sum(f["bytes"] for f in manifest["files"].values())
         console.print(f"wrote {len(manifest['cases'])} goldens in {len(manifest['files'])} files ({size} bytes)")
         return 0
-    store = GoldenStore()
-    files = store.verify_files()
-    console.print(f"sha256 ok: {', '.join(files)}")
-    from dsv4.backends.reference import ReferenceBackend
-    from dsv4.conformance.cases import default_cases, prepare
-    from dsv4.conformance.golden import expected_outputs
-    from dsv4.conformance.runner import compare_outputs
+    from dsv4.conformance.golden_verify import verify_goldens
 
-    failures = 0
-    reference = ReferenceBackend()
-    for case in default_cases():
-        prepared = prepare(case)
-        stored, why = store.lookup(case, prepared)
-        if stored is None:
-            console.print(f"[red]{case.id}: {why}[/]")
-            failures += 1
+    verdicts = verify_goldens(progress=lambda v: console.print(_golden_line(v, args.tolerance)))
+    not_exact = sum(not v.bit_exact for v in verdicts)
+    outside = sum(not v.within_tolerance for v in verdicts)
+    bad = outside if args.tolerance else not_exact
+    console.print(f"[{'red' if bad else 'green'}]{len(verdicts) - not_exact} of {len(verdicts)} goldens bit-exact, "
+                  f"{len(verdicts) - outside} within the suite's tolerance"
+                  f"{' (--tolerance: tolerance decides)' if args.tolerance else ''}[/]")
+    return 1 if bad else 0
+
+
+def _golden_line(verdict: Any, tolerance: bool) -> str:
+    if verdict.missing:
+        return f"[red]{verdict.case}: not compared: {verdict.missing}[/]"
+    if verdict.bit_exact:
+        return f"[green]{verdict.case}: bit-exact[/]"
+    parts = []
+    for o in verdict.outputs:
+        if o.bit_exact:
             continue
-        fresh = expected_outputs(prepared, reference)
-        metrics = compare_outputs(prepared, fresh, stored)
-        bad = [k for k, m in metrics.items() if m.get("passed") is False]
-        if bad:
-            failures += 1
-            console.print(f"[red]{case.id}: {', '.join(bad)} differ: "
-                          f"{'; '.join(metrics[k].get('reason', '') for k in bad)}[/]")
-    console.print(f"[{'red' if failures else 'green'}]{failures} golden(s) differ[/]")
-    return 1 if failures else 0
+        judged = {True: "within", False: "OUTSIDE", None: "not judged by"}[o.within_tolerance]
+        diff = "-" if o.max_abs_diff is None else f"{o.max_abs_diff:.3e}"
+        parts.append(f"{o.name} differs (max abs diff {diff}; {judged} the suite's tolerance"
+                     + (f"; {o.reason}" if o.reason else "") + ")")
+    color = "yellow" if tolerance and verdict.within_tolerance else "red"
+    return f"[{color}]{verdict.case}: not bit-exact: {'; '.join(parts)}[/]"
 
 
 def cmd_layer_golden(args: argparse.Namespace) -> int:
-    from dsv4.conformance.layer_golden import run_layer_golden
+    from dsv4.conformance.layer_golden import parse_backends, run_layer_golden
+    from dsv4.conformance.usage import (
+        UsageError,
+        check_backend_names,
+        check_device,
+        check_existing_file,
+        check_positive,
+    )
+    from dsv4.specs.errors import DSV4ValueError
     from rich.table import Table
 
+    check_positive("--tp", args.tp)
+    check_positive("--cp", args.cp)
+    check_existing_file("FILE", args.file)
+    check_device(args.device)
+    try:
+        backend = parse_backends(args.backend)
+    except DSV4ValueError as exc:
+        raise UsageError(str(exc), argument="--backend", expected=exc.expected, received=exc.received) from None
+    names = [backend] if isinstance(backend, str) else list((backend or {}).values())
+    check_backend_names(_registry(), names)  # before any rank is spawned
     if args.tp > 1 or args.cp > 1:
         from dsv4.conformance.parallel_golden import run_layer_golden_parallel
 
         if args.save_outputs:
-            raise SystemExit("--save-outputs is not supported with --tp/--cp")
-        result = run_layer_golden_parallel(args.file, tp=args.tp, cp=args.cp, backend=args.backend,
+            raise UsageError.of("--save-outputs", "no --tp/--cp (single-process replay only)",
+                                f"--tp {args.tp} --cp {args.cp}")
+        result = run_layer_golden_parallel(args.file, tp=args.tp, cp=args.cp, backend=backend,
                                            device=args.device)
     else:
-        result = run_layer_golden(args.file, backend=args.backend, device=args.device,
+        result = run_layer_golden(args.file, backend=backend, device=args.device,
                                   save_outputs=args.save_outputs)
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -283,15 +346,24 @@ def cmd_make_layer_golden(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dsv4.conformance.usage import check_existing_file, check_positive
     from dsv4.specs.config import ModelConfig
+    from dsv4.specs.errors import ConfigError
     from dsv4.specs.planner import plan_report
     from rich.table import Table
 
+    check_positive("--context", args.context)  # a request of 0 tokens has no per-token cost
     if args.preset:
         cfg = ModelConfig.preset(args.preset)
     else:
-        with open(args.config) as f:
-            cfg = ModelConfig.from_hf_config(json.load(f))
+        check_existing_file("--config", args.config)
+        try:
+            hf_config = json.loads(Path(args.config).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError.of("--config", "a readable JSON file", f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(hf_config, dict):
+            raise ConfigError.of("--config", "a JSON object (a Hugging Face config.json)", type(hf_config).__name__)
+        cfg = ModelConfig.from_hf_config(hf_config)
     report = plan_report(cfg, args.context, profile=args.profile, geometry=args.geometry)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
@@ -322,17 +394,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["run", *argv]
     args = build_parser().parse_args(argv)
     _interpret_triton_without_gpu()
+    from dsv4.conformance.usage import UsageError
     from dsv4.registry import PluginLoadError
     from dsv4.specs.errors import DSV4Error
 
     try:
         return _COMMANDS[args.command](args)
-    except PluginLoadError as exc:
-        print(f"dsv4-conformance: {exc}", file=sys.stderr)
+    except UsageError as exc:
+        print(f"dsv4-conformance: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (PluginLoadError, DSV4Error) as exc:
+        print(f"dsv4-conformance: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except DSV4Error as exc:
-        print(f"dsv4-conformance: {exc}", file=sys.stderr)
-        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ class GoldenStore:
     def __init__(self, directory: Path | str = GOLDEN_DIR) -> None:
         self.directory = Path(directory)
         path = self.directory / "manifest.json"
-        self.manifest: dict[str, Any] | None = json.loads(path.read_text()) if path.exists() else None
+        self.manifest: dict[str, Any] | None = _read_manifest(path) if path.exists() else None
         self._files: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
@@ -127,9 +127,12 @@ class GoldenStore:
             path = self.directory / name
             if info is None:
                 raise GoldenIntegrityError.of("golden file", "listed in manifest.json", name)
+            if not path.is_file():
+                raise GoldenIntegrityError.of(f"golden file {name}", "a file beside manifest.json", "none")
             digest = sha256_file(path)
-            if digest != info["sha256"]:
-                raise GoldenIntegrityError.of(f"golden file {name}", f"sha256 {info['sha256']}", digest,
+            listed = info.get("sha256") if isinstance(info, dict) else info
+            if digest != listed:
+                raise GoldenIntegrityError.of(f"golden file {name}", f"sha256 {listed}", digest,
                                               hint="the file was changed; run `dsv4-conformance golden "
                                                    "--regenerate` if that was intended")
             self._files[name] = load_file(str(path))
@@ -155,10 +158,40 @@ class GoldenStore:
         entry = self.manifest["cases"].get(case.id)
         if entry is None:
             return None, "no stored golden for this case"
-        if entry["inputs_sha256"] != inputs_sha256(prepared):
+        _check_entry(case.id, entry, prepared)
+        if entry.get("inputs_sha256") != inputs_sha256(prepared):
             return None, "inputs generated here differ from the golden's (RNG or generator change)"
         tensors = self._load_file(entry["file"])
-        return {name: tensors[f"{case.id}|{name}"] for name in entry["outputs"]}, "stored golden"
+        outputs = {}
+        for name in entry["outputs"]:
+            key = f"{case.id}|{name}"
+            if key not in tensors:
+                raise GoldenIntegrityError.of(f"golden file {entry['file']}", f"a tensor {key!r} (manifest.json "
+                                              "lists it)", "none")
+            outputs[name] = tensors[key]
+        return outputs, "stored golden"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GoldenIntegrityError.of(str(path), "a readable JSON manifest", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) \
+            or not isinstance(manifest.get("cases"), dict):
+        raise GoldenIntegrityError.of(str(path), "a JSON object with 'files' and 'cases' objects",
+                                      type(manifest).__name__ if not isinstance(manifest, dict) else sorted(manifest))
+    return manifest
+
+
+def _check_entry(case_id: str, entry: Any, prepared: Prepared) -> None:
+    """The manifest entry of ``case_id`` lists exactly the outputs the op produces, in a listed file."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("outputs"), dict) or "file" not in entry:
+        raise GoldenIntegrityError.of(f"manifest.json case {case_id}", "an object with 'file' and 'outputs'", entry)
+    produced = sorted((*prepared.returns, *prepared.caches))
+    if sorted(entry["outputs"]) != produced:
+        raise GoldenIntegrityError.of(f"manifest.json case {case_id}: outputs", ", ".join(produced),
+                                      ", ".join(sorted(entry["outputs"])) or "none")
 
 
 def regenerate(directory: Path | str = GOLDEN_DIR, cases: Sequence[Case] | None = None) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 from safetensors.torch import load_file, save_file
 
-__all__ = ["LayerGoldenReport", "judge_rows", "load_layer_golden", "make_layer_golden", "parse_backends", "row_cosine",
-           "run_layer_golden"]
+__all__ = ["LayerGoldenError", "LayerGoldenReport", "judge_rows", "load_layer_golden", "load_layer_weights",
+           "make_layer_golden", "parse_backends", "row_cosine", "run_layer_golden"]
 
 FORMAT = "dsv4-layer-golden/1"
 
@@ -76,17 +76,80 @@ def judge_rows(kind: LayerKind, cos: torch.Tensor) -> dict:
     return {**stats, "passed": bool(passed)}
 
 
+class LayerGoldenError(DSV4ValueError):
+    """A layer golden is malformed or incomplete (its JSON, tensors, outputs or weights)."""
+
+
 def load_layer_golden(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read and validate ``NAME.json`` and its ``NAME.safetensors``."""
+    """Read and validate ``NAME.json`` and its ``NAME.safetensors`` (:class:`LayerGoldenError` otherwise)."""
     path = Path(path)
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LayerGoldenError.of(str(path), "a readable JSON file", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(meta, dict):
+        raise LayerGoldenError.of(str(path), "a JSON object (SPEC §14)", f"a JSON {type(meta).__name__}")
     if meta.get("format") != FORMAT:
-        raise DSV4ValueError.of(f"{path.name}: format", repr(FORMAT), repr(meta.get("format")))
+        raise LayerGoldenError.of(f"{path.name}: format", repr(FORMAT), repr(meta.get("format")))
     for key in ("hf_config", "layers", "batch", "steps"):
         if key not in meta:
-            raise DSV4ValueError.of(f"{path.name}", f"a {key!r} key (SPEC §14)", "none")
-    tensors = load_file(str(path.with_suffix(".safetensors")))
+            raise LayerGoldenError.of(f"{path.name}", f"a {key!r} key (SPEC §14)", "none")
+    tensor_path = path.with_suffix(".safetensors")
+    if not tensor_path.is_file():
+        raise LayerGoldenError.of(f"{path.name}: tensors", f"a file {tensor_path.name} beside it", "none")
+    try:
+        tensors = load_file(str(tensor_path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise LayerGoldenError.of(str(tensor_path), "a readable safetensors file",
+                                  f"{type(exc).__name__}: {exc}") from None
+    _check_tensors(path.name, meta, tensors)
     return meta, tensors
+
+
+def _check_tensors(name: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """``input`` is ``[batch, tokens, hidden]`` and every layer has an ``output.N`` of that shape."""
+    x = tensors.get("input")
+    if x is None or x.dim() != 3:
+        raise LayerGoldenError.of(f"{name}: tensor 'input'", "[batch, tokens, hidden]",
+                                  "none" if x is None else list(x.shape))
+    hidden = meta["hf_config"].get("hidden_size") if isinstance(meta["hf_config"], dict) else None
+    if isinstance(meta["batch"], bool) or not isinstance(meta["batch"], int) or meta["batch"] < 1:
+        raise LayerGoldenError.of(f"{name}: batch", "an int >= 1", repr(meta["batch"]))
+    if not isinstance(meta["layers"], list) or not isinstance(meta["steps"], list):
+        raise LayerGoldenError.of(f"{name}: layers and steps", "JSON lists", f"{type(meta['layers']).__name__} "
+                                  f"and {type(meta['steps']).__name__}")
+    expected = [meta["batch"], x.shape[1], hidden or x.shape[2]]
+    if list(x.shape) != expected:
+        raise LayerGoldenError.of(f"{name}: tensor 'input'", f"shape {expected} (batch, tokens, hidden_size)",
+                                  list(x.shape))
+    covered = 0
+    for step in meta["steps"]:
+        if not isinstance(step, dict) or not all(isinstance(step.get(k), int) for k in ("start_pos", "length")):
+            raise LayerGoldenError.of(f"{name}: steps", "{start_pos: int, length: int} objects", repr(step)[:200])
+        covered += step["length"]
+    if covered != x.shape[1]:
+        raise LayerGoldenError.of(f"{name}: steps", f"lengths summing to the input's {x.shape[1]} tokens", covered)
+    for spec in meta["layers"]:
+        key = f"output.{spec.get('layer_id') if isinstance(spec, dict) else spec}"
+        out = tensors.get(key)
+        if out is None or list(out.shape) != expected:
+            raise LayerGoldenError.of(f"{name}: tensor {key!r}", f"shape {expected} (the input's)",
+                                      "none" if out is None else list(out.shape))
+
+
+def load_layer_weights(attn: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str, name: str) -> None:
+    """Load ``prefix*`` tensors into ``attn``; a missing or unexpected weight is a :class:`LayerGoldenError`."""
+    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    missing = sorted(set(attn.state_dict()) - set(state))
+    unexpected = sorted(set(state) - set(attn.state_dict()))
+    if missing or unexpected:
+        raise LayerGoldenError.of(f"{name}: weights {prefix}*", "exactly the layer's parameters",
+                                  f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    try:
+        attn.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # shapes
+        raise LayerGoldenError.of(f"{name}: weights {prefix}*", "the layer's shapes",
+                                  " ".join(str(exc).split())) from None
 
 
 def _num_blocks(cfg: ModelConfig, batch: int, tokens: int) -> int:
@@ -136,10 +199,6 @@ def run_layer_golden(path: str | Path, backend: str | list[str] | dict | None = 
     batch, steps = int(meta["batch"]), meta["steps"]
     x_all = tensors["input"]
     total = x_all.shape[1]
-    covered = sum(int(s["length"]) for s in steps)
-    if covered != total:
-        raise DSV4ValueError.of(f"{Path(path).name}: steps", f"lengths summing to the input's {total} tokens",
-                                covered)
     label = backend if isinstance(backend, str) or backend is None else ",".join(f"{k}={v}" for k, v in backend.items())
     report = LayerGoldenReport(str(path), meta.get("source", ""), profile, label or "auto", device)
     outputs = {}
@@ -149,9 +208,7 @@ def run_layer_golden(path: str | Path, backend: str | list[str] | dict | None = 
     layers = {}
     for layer_id in layer_ids:
         attn = Attention(cfg, layer_id, profile=profile, backends=backend)
-        prefix = f"layers.{layer_id}.attn."
-        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        attn.load_state_dict(state, strict=True)
+        load_layer_weights(attn, tensors, f"layers.{layer_id}.attn.", Path(path).name)
         layers[layer_id] = attn.to(device)
     produced = {layer_id: [] for layer_id in layer_ids}
     with torch.no_grad(), record_selections() as used:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -21,10 +22,11 @@ from pathlib import Path
 import torch
 from dsv4.conformance.layer_golden import LayerGoldenReport, judge_rows, load_layer_golden, row_cosine
 from dsv4.specs.config import ModelConfig
-from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.errors import DSV4Error, DSV4ValueError
 from safetensors.torch import load_file, save_file
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-__all__ = ["NCCL_ENVIRONMENT", "ParallelLayerGoldenReport", "run_layer_golden_parallel"]
+__all__ = ["NCCL_ENVIRONMENT", "ParallelLayerGoldenReport", "RankError", "RankTimeoutError", "run_layer_golden_parallel"]
 
 # The H200 machines require NVLink multicast off (NVLS in NCCL, symmetric-memory multicast, NVSHMEM).
 NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -44,6 +46,29 @@ class ParallelLayerGoldenReport(LayerGoldenReport):
                 "wall_seconds": self.wall_seconds}
 
 
+class RankError(DSV4Error, RuntimeError):
+    """A spawned rank raised, died or timed out; the message is the rank's last error line."""
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """The ranks did not finish within ``timeout_s`` (they are terminated)."""
+
+
+def _last_line(traceback_text: str) -> str:
+    lines = [line.strip() for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def _check_backend_names(backend: str | dict[str, str] | None) -> None:
+    from dsv4.registry import get_registry
+
+    names = [backend] if isinstance(backend, str) else list((backend or {}).values())
+    registry = get_registry()
+    for name in names:
+        if name != "auto":
+            registry.get(name)  # NoBackendError naming every registered backend
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +82,28 @@ def _rank_device(device: str, rank: int) -> str:
 
 def _replay_rank(rank: int, path: str, tp: int, cp: int, backend: str | None, device: str, port: int,
                  out_dir: str, timeout_s: float) -> None:
+    """One rank (see :func:`_replay`); its exception is also left as one line in ``out_dir/rank<N>.error``
+    (the spawn error queue can lose the race with the rank's exit)."""
+    try:
+        _replay(rank, path, tp, cp, backend, device, port, out_dir, timeout_s)
+    except Exception as exc:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        (Path(out_dir) / f"rank{rank}.error").write_text(message)
+        raise
+
+
+def _rank_failure(out_dir: str, exc: Exception) -> RankError:
+    """One-line error of the first rank that left one (else the spawn exception's last line)."""
+    for error in sorted(Path(out_dir).glob("rank*.error")):
+        return RankError.of(error.stem, "to replay the golden", error.read_text())
+    index = getattr(exc, "error_index", "?")
+    if isinstance(exc, ProcessExitedException):
+        return RankError.of(f"rank{index}", "to exit normally", f"exit code {exc.exit_code} (signal {exc.signal_name})")
+    return RankError.of(f"rank{index}", "to replay the golden", _last_line(str(exc)))
+
+
+def _replay(rank: int, path: str, tp: int, cp: int, backend: str | None, device: str, port: int,
+            out_dir: str, timeout_s: float) -> None:
     """One rank: join the process group, replay every step, save the full outputs to ``out_dir``."""
     import torch.distributed as dist
     from dsv4.cache import PagedKVCache, StepRequest
@@ -124,6 +171,7 @@ def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backen
     for name, value in (("tp", tp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DSV4ValueError.of(name, "an int >= 1", value)
+    _check_backend_names(backend)  # in the caller: a rank's failure costs a spawn and a traceback
     world = tp * cp
     meta, tensors = load_layer_golden(path)  # validate before spawning anything
     cfg = ModelConfig.from_hf_config(meta["hf_config"])
@@ -139,12 +187,16 @@ def run_layer_golden_parallel(path: str | Path, tp: int = 1, cp: int = 1, backen
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dsv4-parallel-") as out_dir:
         args = (str(path), tp, cp, backend, device, _free_port(), out_dir, timeout_s)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         context = mp.start_processes(_replay_rank, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = began + timeout_s
         try:
             while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"run_layer_golden_parallel: ranks still running after {timeout_s} s")
+                    raise RankTimeoutError.of("ranks", f"done within timeout_s={timeout_s} s",
+                                                 f"still running after {timeout_s} s")
+        except (ProcessRaisedException, ProcessExitedException) as exc:
+            raise _rank_failure(out_dir, exc) from None
         finally:
             for process in context.processes:  # never leave a rank behind
                 if process.is_alive():

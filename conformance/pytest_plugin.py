@@ -1,7 +1,8 @@
 """pytest integration: ``pytest -p dsv4.conformance.pytest_plugin --dsv4-backend NAME`` runs the suite.
 
-Every (backend, case) becomes one test item ``dsv4-conformance::<backend>::<case id>`` (marker
-``dsv4_conformance``; select with ``-m dsv4_conformance`` or ``-k``). Outcomes map to pytest's:
+Every (backend, case) becomes one test item whose node id is ``dsv4-conformance::<backend>::<case id>``
+(marker ``dsv4_conformance``; select with ``-m dsv4_conformance`` or ``-k``). An unknown
+``--dsv4-backend`` name is a usage error (exit 4) naming the registered backends. Outcomes map to pytest's:
 ``failed`` -> failure (message names the op, output and where), ``error`` -> error,
 ``unsupported`` / ``skipped`` -> skip with the backend's reasons. Cases listed in the backend's
 ``expected_failures`` (glob -> reason, kept with the backend) are marked xfail; an entry that
@@ -18,7 +19,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
+__all__ = ["NODE_PREFIX", "ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
+
+NODE_PREFIX = "dsv4-conformance"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,7 +72,7 @@ class ConformanceItem(pytest.Item):
             raise AssertionError(row.summary())
 
     def reportinfo(self) -> tuple[str, int, str]:
-        return "dsv4-conformance", 0, f"{self.backend_name}::{self.case.id}"
+        return NODE_PREFIX, 0, f"{self.backend_name}::{self.case.id}"
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,18 +82,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from dsv4.conformance.cases import default_cases
     from dsv4.conformance.runner import expected_failure_for, unmatched_expected_failures
     from dsv4.registry import get_registry
+    from dsv4.specs.errors import DSV4Error, format_expectation
 
     registry = get_registry()
     cases = default_cases()
     shared: dict = {}
     for name in backends:
-        backend = registry.get(name)
+        try:
+            backend = registry.get(name)
+        except DSV4Error as exc:  # an unknown name is the command line's fault, not an internal error
+            reason = (format_expectation("--dsv4-backend", exc.expected, exc.received) if exc.expected
+                      else " ".join(str(exc).split()))
+            raise pytest.UsageError(reason) from None
         for pattern in unmatched_expected_failures(backend, cases):
             warnings.warn(pytest.PytestWarning(
                 f"dsv4 backend {name}: expected failure {pattern!r} matches no conformance case"), stacklevel=1)
-        parent = ConformanceCollector.from_parent(session, name=f"dsv4-conformance::{name}")
+        # node ids: dsv4-conformance::<backend>::<case id> (the session's own id is empty)
+        parent = ConformanceCollector.from_parent(session, name=name, nodeid=f"{NODE_PREFIX}::{name}")
         for case in cases:
-            item = ConformanceItem.from_parent(parent, name=f"{name}::{case.id}", backend=name, case=case,
+            item = ConformanceItem.from_parent(parent, name=case.id, backend=name, case=case,
                                                device=config.getoption("--dsv4-device"), shared=shared)
             reason = expected_failure_for(backend, case.id)
             if reason:

@@ -4,16 +4,25 @@ JSON (schema: ``report_schema.json``, ``"schema": "dsv4-conformance-report/1"``)
 ``environment`` (versions, device, env switches), ``backends`` (name -> status, reasons, package
 versions, plugin, capabilities; plugins that failed to load appear with status ``failed``),
 ``results`` (rows: ``backend``, ``op``, ``case``, ``outcome``, ``metrics`` per output,
-``seconds``, ``reasons``, ``expected_failure``, ``expected_source``, ``params``), ``summary``
-(counts per outcome and ``passed``).
+``seconds``, ``reasons``, ``expected_failure``, ``expected_source``, ``params``, and
+``unexpected_pass``: a row listed as an expected failure that passed, XPASS), ``summary``
+(counts per outcome, ``passed_all``, ``expected_failures``: rows that failed or errored as
+expected, ``unexpected_passes``).
+
+JUnit: a failure or error listed as expected is ``<skipped message="expected failure: ...">``
+(pytest's xfail), not a failure; an unexpected pass is a passing testcase whose ``system-out``
+says so. Characters XML 1.0 cannot hold (ANSI escapes, other control characters) are removed
+from every attribute and text.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,10 +35,12 @@ __all__ = [
     "SCHEMA_PATH",
     "build_report",
     "environment",
+    "expectation_counts",
     "junit_xml",
     "validate_report",
     "write_json",
     "write_junit",
+    "xml_safe",
 ]
 
 REPORT_SCHEMA = "dsv4-conformance-report/1"
@@ -70,16 +81,33 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     return env
 
 
+def expectation_counts(rows: Iterable[Any]) -> dict[str, int]:
+    """``expected_failures`` (failed or errored as listed) and ``unexpected_passes`` (XPASS) of result rows."""
+    rows = [r if isinstance(r, dict) else r.as_dict() for r in rows]
+    return {"expected_failures": sum(1 for r in rows if _is_xfail(r)),
+            "unexpected_passes": sum(1 for r in rows if _is_xpass(r))}
+
+
+def _is_xfail(row: dict[str, Any]) -> bool:
+    return bool(row.get("expected_failure")) and row["outcome"] in ("failed", "error")
+
+
+def _is_xpass(row: dict[str, Any]) -> bool:
+    return bool(row.get("expected_failure")) and row["outcome"] == "passed"
+
+
 def build_report(result: SuiteResult) -> dict[str, Any]:
     """The JSON report of ``result`` (a plain dict, ready for ``json.dumps``)."""
     counts = result.counts()
+    rows = [row.as_dict() for row in result.rows]
+    for row in rows:
+        row["unexpected_pass"] = _is_xpass(row)
     return {
         "schema": REPORT_SCHEMA,
         "environment": environment(result.device),
         "backends": result.backends,
-        "results": [row.as_dict() for row in result.rows],
-        "summary": {**counts, "total": len(result.rows), "passed_all": result.passed,
-                    "expected_failures": sum(1 for r in result.rows if r.expected_failure)},
+        "results": rows,
+        "summary": {**counts, "total": len(result.rows), "passed_all": result.passed, **expectation_counts(rows)},
     }
 
 
@@ -94,6 +122,25 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
+# XML 1.0 allows tab, newline, carriage return and U+0020 upwards, less surrogates and U+FFFE/U+FFFF.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_NOT_XML = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_safe(text: Any) -> str:
+    """``text`` with ANSI colour codes removed and other XML-1.0-invalid characters written ``\\xNN``."""
+    text = _ANSI_ESCAPE.sub("", str(text))
+    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", text)
+
+
+def _element(parent: ET.Element, tag: str, text: str | None = None, **attributes: Any) -> ET.Element:
+    element = ET.SubElement(parent, tag, {k: xml_safe(v) for k, v in attributes.items()})
+    if text is not None:
+        element.text = xml_safe(text)
+    return element
+
+
 def junit_xml(report: dict[str, Any]) -> str:
     """JUnit XML derived from the JSON report: one testsuite per backend, one testcase per row."""
     root = ET.Element("testsuites", name="dsv4-conformance")
@@ -101,29 +148,38 @@ def junit_xml(report: dict[str, Any]) -> str:
     for row in report["results"]:
         by_backend.setdefault(row["backend"], []).append(row)
     for backend, rows in by_backend.items():
-        failures = sum(r["outcome"] == "failed" for r in rows)
-        errors = sum(r["outcome"] == "error" for r in rows)
-        skipped = sum(r["outcome"] in ("skipped", "unsupported") for r in rows)
-        suite = ET.SubElement(root, "testsuite", name=backend, tests=str(len(rows)), failures=str(failures),
-                              errors=str(errors), skipped=str(skipped),
-                              time=f"{sum(r['seconds'] for r in rows):.6f}")
-        props = ET.SubElement(suite, "properties")
+        failures = sum(r["outcome"] == "failed" and not _is_xfail(r) for r in rows)
+        errors = sum(r["outcome"] == "error" and not _is_xfail(r) for r in rows)
+        skipped = sum(r["outcome"] in ("skipped", "unsupported") or _is_xfail(r) for r in rows)
+        suite = _element(root, "testsuite", name=backend, tests=len(rows), failures=failures, errors=errors,
+                         skipped=skipped, time=f"{sum(r['seconds'] for r in rows):.6f}")
+        props = _element(suite, "properties")
         info = report["backends"].get(backend, {})
-        ET.SubElement(props, "property", name="status", value=str(info.get("status", "")))
+        _element(props, "property", name="status", value=info.get("status", ""))
         for dist, version in (info.get("package_versions") or {}).items():
-            ET.SubElement(props, "property", name=f"version.{dist}", value=str(version))
+            _element(props, "property", name=f"version.{dist}", value=version)
         for row in rows:
-            case = ET.SubElement(suite, "testcase", classname=f"dsv4.{backend}.{row['op']}", name=row["case"],
-                                 time=f"{row['seconds']:.6f}")
-            message = _message(row)
-            if row["outcome"] == "failed":
-                ET.SubElement(case, "failure", message=message, type="numerics").text = \
-                    json.dumps(row["metrics"], indent=1, default=str)
-            elif row["outcome"] == "error":
-                ET.SubElement(case, "error", message=message, type="exception").text = "\n".join(row["reasons"])
-            elif row["outcome"] in ("skipped", "unsupported"):
-                ET.SubElement(case, "skipped", message=f"{row['outcome']}: {message}")
+            _testcase(suite, backend, row)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+def _testcase(suite: ET.Element, backend: str, row: dict[str, Any]) -> None:
+    case = _element(suite, "testcase", classname=f"dsv4.{backend}.{row['op']}", name=row["case"],
+                    time=f"{row['seconds']:.6f}")
+    message = _message(row)
+    if _is_xfail(row):
+        _element(case, "skipped", message=f"expected failure: {row['expected_failure']}"
+                 + (f"; {row['outcome']}: {message}" if message else ""))
+    elif _is_xpass(row):
+        _element(case, "system-out", f"unexpected pass (XPASS): listed as an expected failure: "
+                                     f"{row['expected_failure']}")
+    elif row["outcome"] == "failed":
+        _element(case, "failure", json.dumps(row["metrics"], indent=1, default=str), message=message,
+                 type="numerics")
+    elif row["outcome"] == "error":
+        _element(case, "error", "\n".join(row["reasons"]), message=message, type="exception")
+    elif row["outcome"] in ("skipped", "unsupported"):
+        _element(case, "skipped", message=f"{row['outcome']}: {message}")
 
 
 def _message(row: dict[str, Any]) -> str:

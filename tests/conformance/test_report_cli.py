@@ -75,7 +75,7 @@ def test_cli_run_list_and_plan(tmp_path, capsys):
     assert main(["list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed["backends"]["reference"]["status"] == "available"
-    assert main(["run", "--backend", "no-such-backend"]) == 1
+    assert main(["run", "--backend", "no-such-backend"]) == 2  # a usage error
 
 
 @pytest.mark.parametrize("preset", ["v4-flash", "v4-pro"])
