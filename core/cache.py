@@ -13,40 +13,62 @@ own storage tensor. Page sizes come from ``dsv4.specs.geometry``; bytes from ``d
 
 ``plan_step`` allocates pages for the new tokens of a mixed batch (prefills, chunks, decodes),
 frees pages that slid out of every window, and returns a :class:`Step` carrying the
-:class:`~dsv4.metadata.StepMetadata`. A rejected plan changes nothing.
+:class:`~dsv4.metadata.StepMetadata`. A rejected plan changes nothing. Only the latest step of a
+request may write; a step whose forward raised must be run again or its requests freed
+(``PagedKVCache``'s docstring). Page pools and block tables: ``dsv4.paging``.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from dsv4.metadata import (
-    INDEX_ALIGNMENT,
     GroupTable,
     RatioMetadata,
     StepMetadata,
-    round_up,
+    dense_compressed_indices,
     slots_from_block_table,
 )
+from dsv4.paging import BlockPool
 from dsv4.specs.config import ModelConfig
-from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
+from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 from dsv4.specs.numerics import get_profile
 
-__all__ = ["LayerCache", "OutOfBlocksError", "PagedKVCache", "Step", "StepRequest"]
+__all__ = ["LayerCache", "OutOfBlocksError", "PagedKVCache", "StaleStepError", "Step", "StepRequest"]
 
 
 class OutOfBlocksError(DSV4ValueError):
     """A step needs more pages than a group has free; nothing was allocated."""
 
 
+class StaleStepError(DSV4ValueError):
+    """A :class:`Step` is no longer the latest plan of one of its requests (re-planned or freed since):
+    its slots may belong to another request now, so it must not write (SPEC §12)."""
+
+
 @dataclass(frozen=True)
 class StepRequest:
-    """One request's share of a step: ``num_tokens`` new tokens appended to ``request_id``."""
+    """One request's share of a step: ``num_tokens`` (an int >= 1) new tokens appended to ``request_id``
+    (any hashable id)."""
 
     request_id: Hashable
     num_tokens: int
+
+    def __post_init__(self) -> None:
+        try:
+            hash(self.request_id)
+        except TypeError:
+            raise DSV4TypeError.of("StepRequest.request_id", "a hashable id (str, int, tuple, ...)",
+                                   f"{type(self.request_id).__name__} {self.request_id!r}") from None
+        n = self.num_tokens
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise DSV4TypeError.of("StepRequest.num_tokens", "an int >= 1", f"{type(n).__name__} {n!r}")
+        if n < 1:
+            raise DSV4ValueError.of("StepRequest.num_tokens", "an int >= 1", n)
+        object.__setattr__(self, "num_tokens", int(n))  # numpy / torch integers become a plain int
 
 
 @dataclass
@@ -69,53 +91,12 @@ class LayerCache:
 
 @dataclass(frozen=True)
 class Step:
-    """A planned step: the metadata plus the cache it refers to."""
+    """A planned step: the metadata, the cache it refers to and its serial number in that cache
+    (``PagedKVCache.check_step`` compares it with the latest plan of each request)."""
 
     metadata: StepMetadata
     cache: PagedKVCache
-
-
-class _Group:
-    """Page pool + per-request logical->physical tables of one cache group."""
-
-    def __init__(self, name: str, block_size: int, num_blocks: int, window: int | None):
-        self.name, self.block_size, self.num_blocks, self.window = name, block_size, num_blocks, window
-        self.free_pages: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.tables: dict[Hashable, list[int]] = {}
-
-    def plan(self, request_id: Hashable, first_needed: int, end: int) -> tuple[list[int], int]:
-        """Logical pages to free (all entries < first_needed) and how many new pages ``[.., end)`` needs."""
-        table = self.tables.get(request_id, [])
-        B = self.block_size
-        to_free = []
-        if self.window is not None:
-            for logical, phys in enumerate(table):
-                if phys >= 0 and (logical + 1) * B <= first_needed:
-                    to_free.append(logical)
-        needed = max(0, -(-end // B) - len(table))
-        return to_free, needed
-
-    def commit(self, request_id: Hashable, to_free: list[int], needed: int) -> None:
-        table = self.tables.setdefault(request_id, [])
-        for logical in to_free:
-            self.free_pages.append(table[logical])
-            table[logical] = -1
-        for _ in range(needed):
-            table.append(self.free_pages.pop())
-
-    def release(self, request_id: Hashable) -> None:
-        for phys in self.tables.pop(request_id, []):
-            if phys >= 0:
-                self.free_pages.append(phys)
-
-    def table_tensor(self, request_ids: Sequence[Hashable]) -> torch.Tensor:
-        width = max(1, max(len(self.tables.get(r, [])) for r in request_ids))
-        out = torch.full((len(request_ids), width), -1, dtype=torch.int32)
-        for row, r in enumerate(request_ids):
-            t = self.tables.get(r, [])
-            if t:
-                out[row, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return out
+    serial: int
 
 
 class PagedKVCache:
@@ -124,7 +105,9 @@ class PagedKVCache:
     Args:
         cfg: the model configuration.
         layer_ids: layers this cache serves (their kinds decide which groups exist).
-        num_blocks: pages per group; an int for every group or a dict ``{group: pages}``.
+        num_blocks: pages per group; an int for every group or a dict ``{group: pages}`` with a
+            key for each group these layers use (``swa``, ``c4``, ``c128``, ``state4``, ``state128``;
+            keys of groups they do not use are ignored, other keys refused).
         device: where the storage and the step metadata live.
         profile: numerics profile name (SPEC §6.6); the cache is tagged with it and a layer of
             another profile refuses it.
@@ -134,6 +117,18 @@ class PagedKVCache:
             ``ascend`` brings ``ascend_bf16`` / ``indexer_ascend_int8``, ``ascend-a5`` brings
             ``ascend_a5`` / ``indexer_fp8``; ``vllm`` has none. ``self.kv_format`` and
             ``self.indexer_key_format`` are the resolved formats, the ones allocated.
+
+    Step lifecycle (SPEC §10, §12):
+
+    - ``plan_step`` commits a step (pages, sequence lengths) or raises having changed nothing.
+    - Only the LATEST plan of a request may write: every ``plan_step`` that includes a request, and
+      ``free``, make earlier steps of it stale, and ``Attention`` refuses a stale step
+      (:class:`StaleStepError`) before writing. Running the latest step again is allowed (every layer
+      of a model runs it; a re-run writes the same bytes).
+    - A forward that raises (a rejected input, a backend that cannot run) leaves that layer's pages of
+      the step unwritten: the layer reports it (``mark_unwritten``) and a later ``plan_step`` including
+      one of those requests raises, naming the layers. Either run the same step again with a corrected
+      input (a success clears the mark) or ``free()`` the request and prefill it again.
     """
 
     def __init__(
@@ -151,7 +146,7 @@ class PagedKVCache:
         from dsv4.specs.geometry import cache_geometry
 
         self.cfg = cfg
-        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>"
+        self.device = _resolve_device(device)
         self.profile = get_profile(profile).name
         self.layer_ids = tuple(sorted({int(i) for i in layer_ids}))
         if not self.layer_ids:
@@ -163,22 +158,16 @@ class PagedKVCache:
         # and the codecs below allocate exactly what it resolved.
         geo = cache_geometry(cfg, profile, geometry, kv_format=kv_format, indexer_key_format=indexer_key_format)
         self.kv_format, self.indexer_key_format = geo.kv_format, geo.indexer_key_format
-        spec_names = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
         wanted = {"swa"}
         for kind in set(kinds.values()):
             if kind.has_compressor:
                 wanted |= {f"c{kind.ratio}", f"state{kind.ratio}"}
+        sizes = _pages_per_group(num_blocks, sorted(wanted))
 
-        def pages(name: str) -> int:
-            n = num_blocks.get(name) if isinstance(num_blocks, dict) else num_blocks
-            if not isinstance(n, int) or n < 1:
-                raise DSV4ValueError.of(f"num_blocks[{name!r}]", "a positive int", n)
-            return n
-
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, BlockPool] = {}
         for name in sorted(wanted):
-            g = geo.group(spec_names[name])
-            self.groups[name] = _Group(name, g.entries_per_page, pages(name), g.window)
+            g = geo.group(_SPEC_GROUPS[name])
+            self.groups[name] = BlockPool(name, g.entries_per_page, sizes[name], g.window)
         if "c4" in self.groups:  # the indexer keys and state share the c4 tables (same page geometry)
             for shared, own in (("c4_indexer_keys", "c4"), ("c4_indexer_state", "state4")):
                 if geo.group(shared).entries_per_page != self.groups[own].block_size:
@@ -204,6 +193,9 @@ class PagedKVCache:
                                                dtype=torch.float32, device=self.device)
             self.layers[layer_id] = lc
         self.seq_lens: dict[Hashable, int] = {}
+        self._serial = 0  # bumped by every plan_step and free
+        self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
+        self._unwritten: dict[Hashable, set[int]] = {}  # request -> layers whose forward of that step raised
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -213,15 +205,57 @@ class PagedKVCache:
         return self.layers[layer_id]
 
     def free(self, request_id: Hashable) -> None:
-        """Release every page of ``request_id`` in every group."""
-        if request_id not in self.seq_lens:
-            raise DSV4ValueError.of("request_id", "a request known to this cache", request_id)
+        """Release every page of ``request_id`` in every group; its planned steps become stale."""
+        if not _hashable(request_id) or request_id not in self.seq_lens:
+            raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
         for group in self.groups.values():
             group.release(request_id)
         del self.seq_lens[request_id]
+        del self._epochs[request_id]
+        self._unwritten.pop(request_id, None)
+        self._serial += 1
 
     def free_pages(self) -> dict[str, int]:
         return {name: len(g.free_pages) for name, g in self.groups.items()}
+
+    # -- step validity ---------------------------------------------------------------------------
+
+    def check_step(self, step: Step) -> None:
+        """Raise :class:`StaleStepError` unless ``step`` is still the latest plan of each of its requests.
+
+        O(1) when nothing was planned or freed since ``step``; O(requests) otherwise. Never consumes
+        the step: every layer runs it, and running it again is allowed."""
+        if step.serial == self._serial:
+            return
+        for request_id in step.metadata.request_ids:
+            epoch = self._epochs.get(request_id)
+            if epoch != step.serial:
+                happened = "freed" if epoch is None else f"re-planned by step #{epoch}"
+                raise StaleStepError.of(
+                    "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
+                    f"a stale step: request {request_id!r} was {happened}",
+                    hint="its slots may belong to another request now; plan a new step")
+
+    def mark_unwritten(self, step: Step, layer_id: int) -> None:
+        """A layer's forward of the (current) ``step`` raised: its pages of the step's requests may be
+        unwritten or partly written. ``plan_step`` refuses those requests until a forward of the same
+        step by that layer succeeds (``mark_written``) or they are freed."""
+        if layer_id not in self.layers or step.cache is not self:
+            return
+        for request_id in step.metadata.request_ids:
+            if self._epochs.get(request_id) == step.serial:
+                self._unwritten.setdefault(request_id, set()).add(layer_id)
+
+    def mark_written(self, step: Step, layer_id: int) -> None:
+        """A layer's forward of the (current) ``step`` succeeded: clear its marks for the step's requests."""
+        if not self._unwritten:
+            return
+        for request_id in step.metadata.request_ids:
+            layers = self._unwritten.get(request_id)
+            if layers is not None and self._epochs.get(request_id) == step.serial:
+                layers.discard(layer_id)
+                if not layers:
+                    del self._unwritten[request_id]
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -243,58 +277,76 @@ class PagedKVCache:
     def plan_step(self, requests: Sequence[StepRequest]) -> Step:
         """Allocate pages for a step and derive its metadata (SPEC §10).
 
-        requests: the batch rows in order; each appends ``num_tokens`` >= 1 tokens to its request
-        (a new request id starts at position 0). Raises before changing anything when a request is
-        malformed or a group runs out of pages.
+        requests: a list or tuple of :class:`StepRequest`, the batch rows in order; each appends
+        ``num_tokens`` >= 1 tokens to its request (a new request id starts at position 0).
+
+        All or nothing: raises before changing anything when a request is malformed, a request's
+        previous step was not written by every layer (see the class docstring), or a group runs out
+        of pages (:class:`OutOfBlocksError`; pages that slide out of the window of any request of the
+        step count as free). On success, pages that slid out are freed for every request first, then
+        new pages are allocated, and the step's earlier plans for these requests become stale.
         """
-        if not requests:
-            raise DSV4ValueError.of("requests", "at least one StepRequest", "an empty list")
+        _check_requests(requests)
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise DSV4ValueError.of("requests", "each request id at most once per step", ids)
-        for r in requests:
-            if not isinstance(r.num_tokens, int) or r.num_tokens < 1:
-                raise DSV4ValueError.of(f"requests[{r.request_id!r}].num_tokens", "an int >= 1", r.num_tokens)
-        starts = [self.seq_lens.get(r.request_id, 0) for r in requests]
+        starts = [self.seq_lens.get(r, 0) for r in ids]
         ends = [s + r.num_tokens for s, r in zip(starts, requests)]
         limit = self.cfg.max_position_embeddings
         for r, e in zip(requests, ends):
             if e > limit:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
+        for r in ids:
+            if r in self._unwritten:
+                raise DSV4ValueError.of(
+                    f"requests[{r!r}]", "a request whose previous step every layer wrote",
+                    f"layers {sorted(self._unwritten[r])} raised during step #{self._epochs[r]} and did not write it",
+                    hint="run that step again with a corrected input, or free() the request and prefill it again")
 
         plans = {}
         for name, group in self.groups.items():
-            plans[name] = [group.plan(r.request_id, self._first_needed(name, s), self._end(name, e))
-                           for r, s, e in zip(requests, starts, ends)]
-            freed = sum(len(f) for f, _ in plans[name])
-            needed = sum(n for _, n in plans[name])
+            plans[name] = [group.plan(r, self._first_needed(name, s), self._end(name, e))
+                           for r, s, e in zip(ids, starts, ends)]
+            freed = sum(f for _, f, _ in plans[name])
+            needed = sum(n for _, _, n in plans[name])
             if needed > len(group.free_pages) + freed:
                 raise OutOfBlocksError.of(f"cache group {name!r}", f"<= {len(group.free_pages) + freed} free pages",
                                           f"a step needing {needed}")
+        # Commit: nothing below raises. Free what slid out for every request, then allocate.
         for name, group in self.groups.items():
-            for r, (to_free, needed) in zip(requests, plans[name]):
-                group.commit(r.request_id, to_free, needed)
-        for r, e in zip(requests, ends):
-            self.seq_lens[r.request_id] = e
-        return Step(self._metadata(ids, starts, [r.num_tokens for r in requests]), self)
+            for r, (stop, _, _) in zip(ids, plans[name]):
+                group.release_front(r, stop)
+        for name, group in self.groups.items():
+            for r, (_, _, needed) in zip(ids, plans[name]):
+                group.append(r, needed)
+        self._serial += 1
+        for r, e in zip(ids, ends):
+            self.seq_lens[r] = e
+            self._epochs[r] = self._serial
+        return Step(self._metadata(ids, starts, [r.num_tokens for r in requests]), self, self._serial)
 
     def _metadata(self, ids: list, starts: list[int], lens: list[int]) -> StepMetadata:
+        """Per-token vectors are derived on the host (O(T)), then every table is built on the cache's
+        device from them and the block tables (no host table of context width is made or copied)."""
+        dev = self.device
         qlens = torch.tensor(lens, dtype=torch.int64)
         token_request = torch.repeat_interleave(torch.arange(len(ids), dtype=torch.int64), qlens)
         first = torch.tensor(starts, dtype=torch.int64)
         offsets = torch.arange(int(qlens.sum())) - torch.repeat_interleave(torch.cumsum(qlens, 0) - qlens, qlens)
-        positions = first[token_request] + offsets
         query_start_loc = torch.zeros(len(ids) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(qlens, 0).to(torch.int32)
         seq_lens = (first + qlens).to(torch.int32)
+        max_seq_len = max(s + n for s, n in zip(starts, lens))
+        positions = (first[token_request] + offsets).to(dev)
+        token_request = token_request.to(dev)
 
         swa_group = self.groups["swa"]
-        swa_bt = swa_group.table_tensor(ids)
+        swa_bt = swa_group.table_tensor(ids, dev)
         W = self.window
         swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
         window_start = (positions - W + 1).clamp(min=0)
         swa_lens = positions - window_start + 1
-        k = torch.arange(W)
+        k = torch.arange(W, device=dev)
         local = window_start[:, None] + k[None, :]
         local = torch.where(k[None, :] < swa_lens[:, None], local, torch.full_like(local, -1))
         swa_indices = slots_from_block_table(local, token_request, swa_bt, swa_group.block_size)
@@ -305,18 +357,13 @@ class PagedKVCache:
                 continue
             r = int(name[1:])
             comp, state = self.groups[name], self.groups[f"state{r}"]
-            comp_bt, state_bt = comp.table_tensor(ids), state.table_tensor(ids)
+            comp_bt, state_bt = comp.table_tensor(ids, dev), state.table_tensor(ids, dev)
             closes = (positions + 1) % r == 0
             entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
             hca_indices = hca_lens = None
-            if LayerKind.from_ratio(r) == LayerKind.HCA:
-                visible = (positions + 1) // r
-                width = max(INDEX_ALIGNMENT, round_up(int(visible.max()), INDEX_ALIGNMENT))
-                cols = torch.arange(width)
-                hca_local = torch.where(cols[None, :] < visible[:, None], cols[None, :].expand(len(positions), -1),
-                                        torch.full((len(positions), width), -1, dtype=torch.int64))
-                hca_indices = slots_from_block_table(hca_local, token_request, comp_bt, comp.block_size)
-                hca_lens = (hca_indices >= 0).sum(-1)
+            if LayerKind.from_ratio(r) == LayerKind.HCA:  # per-request rows gathered per token (SPEC §10)
+                hca_indices, hca_lens = dense_compressed_indices(positions, token_request, comp_bt, comp.block_size,
+                                                                 r, max_seq_len // r)
             ratios[r] = RatioMetadata(
                 ratio=r,
                 compressed_slot_mapping=slots_from_block_table(entry, token_request, comp_bt, comp.block_size),
@@ -327,35 +374,18 @@ class PagedKVCache:
                 hca_lens=hca_lens,
             )
 
-        dev = self.device
-
-        def to_dev(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-            return None if t is None else t.to(device=dev, dtype=dtype)
-
-        ratios = {
-            r: RatioMetadata(
-                ratio=r,
-                compressed_slot_mapping=to_dev(m.compressed_slot_mapping, torch.int64),
-                state_slot_mapping=to_dev(m.state_slot_mapping, torch.int64),
-                compressed=GroupTable(to_dev(m.compressed.block_table, torch.int32), m.compressed.block_size),
-                state=GroupTable(to_dev(m.state.block_table, torch.int32), m.state.block_size),
-                hca_indices=to_dev(m.hca_indices, torch.int32),
-                hca_lens=to_dev(m.hca_lens, torch.int32),
-            )
-            for r, m in ratios.items()
-        }
         return StepMetadata(
             request_ids=tuple(ids),
-            positions=to_dev(positions, torch.int64),
-            token_request=to_dev(token_request, torch.int32),
-            query_start_loc=to_dev(query_start_loc, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
+            positions=positions,
+            token_request=token_request.to(torch.int32),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=seq_lens.to(dev),
             query_lens=tuple(lens),
-            max_seq_len=max(s + n for s, n in zip(starts, lens)),
-            swa=GroupTable(to_dev(swa_bt, torch.int32), swa_group.block_size),
-            swa_slot_mapping=to_dev(swa_slot_mapping, torch.int64),
-            swa_indices=to_dev(swa_indices, torch.int32),
-            swa_lens=to_dev(swa_lens, torch.int32),
+            max_seq_len=max_seq_len,
+            swa=GroupTable(swa_bt, swa_group.block_size),
+            swa_slot_mapping=swa_slot_mapping,
+            swa_indices=swa_indices.to(torch.int32),
+            swa_lens=swa_lens.to(torch.int32),
             ratios=ratios,
             context_lens=tuple(starts),
         )
@@ -365,3 +395,56 @@ class PagedKVCache:
         if get_profile(profile).name != self.profile:
             raise CacheLayoutError.of("profile", f"{self.profile!r} (the profile that wrote this cache)",
                                       repr(profile))
+
+
+# -- argument checks (SPEC §12: name the argument, what was expected and what came) ------------------
+
+_SPEC_GROUPS = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>``; a device this machine lacks is a named error, not an assert."""
+    if not isinstance(device, (str, torch.device)):
+        raise DSV4TypeError.of("device", "a torch.device or a device string", f"{type(device).__name__} {device!r}")
+    try:
+        return torch.empty(0, device=device).device
+    except (AssertionError, RuntimeError) as exc:
+        raise DSV4ValueError.of("device", "a device available on this machine", repr(str(device)),
+                                hint=str(exc).splitlines()[0] if str(exc) else "") from None
+
+
+def _pages_per_group(num_blocks: int | dict[str, int], wanted: list[str]) -> dict[str, int]:
+    """``{group: pages}`` for the ``wanted`` groups from an int or a dict (unknown keys refused)."""
+    if isinstance(num_blocks, dict):
+        unknown = sorted(set(num_blocks) - set(_SPEC_GROUPS), key=str)
+        if unknown:
+            raise DSV4ValueError.of("num_blocks", f"keys among {sorted(_SPEC_GROUPS)}", unknown)
+        sizes = {name: num_blocks.get(name) for name in wanted}
+    else:
+        sizes = dict.fromkeys(wanted, num_blocks)
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            what = "missing" if n is None else f"{type(n).__name__} {n!r}"
+            raise DSV4ValueError.of(f"num_blocks[{name!r}]", "a positive int", what)
+        sizes[name] = int(n)
+    return sizes
+
+
+def _check_requests(requests: object) -> None:
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise DSV4TypeError.of("requests", "a list or tuple of StepRequest",
+                               "None" if requests is None else type(requests).__name__)
+    if len(requests) == 0:
+        raise DSV4ValueError.of("requests", "at least one StepRequest", "an empty sequence")
+    for i, r in enumerate(requests):
+        if not isinstance(r, StepRequest):
+            raise DSV4TypeError.of(f"requests[{i}]", "a dsv4.StepRequest(request_id, num_tokens)",
+                                   f"{type(r).__name__} {r!r}"[:120])

@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from dsv4 import batch_invariant, ops
 from dsv4.batch_invariant import linear
-from dsv4.cache import Step
+from dsv4.cache import PagedKVCache, Step
+from dsv4.layer_checks import (
+    check_cache_matches,
+    check_parameter_dtypes,
+    check_step,
+    resolve_backends,
+    validate_backends,
+)
 from dsv4.metadata import topk_local_to_global
 from dsv4.rope import rope_cos_sin
 from dsv4.specs.config import ModelConfig
@@ -150,7 +157,9 @@ class Attention(nn.Module):
         cfg: model configuration. layer_id: which layer (decides ratio and RoPE table).
         profile: numerics profile (SPEC §6.6); caches written by another profile are refused.
         backends: a backend name for every op, or ``{op_name: backend}``; unnamed ops use
-            ``"auto"`` (``DSV4_BACKEND``, then the platform's priority list).
+            ``"auto"`` (``DSV4_BACKEND``, then the platform's priority list). Unknown op names and
+            backend names no registered backend has are refused here; whether the chosen backends can
+            run a step's request is checked before that step writes anything.
         fp8_output: FP8 activations before ``wo_a`` (SPEC §8); default: the profile's choice.
         side_streams: run the compressor and the indexer on CUDA side streams beside the q path
             (SPEC §3: independent until attention). Off by default: on the H200 (V4-Flash layer,
@@ -172,13 +181,7 @@ class Attention(nn.Module):
         self.kind = cfg.layer_kind(layer_id)
         self.profile = get_profile(profile).name
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
-        if isinstance(backends, str) or backends is None:
-            self.backends = {op: backends or "auto" for op in OP_NAMES}
-        else:
-            unknown = set(backends) - set(OP_NAMES)
-            if unknown:
-                raise DSV4ValueError.of("backends", f"keys among {OP_NAMES}", sorted(unknown))
-            self.backends = {op: backends.get(op, "auto") for op in OP_NAMES}
+        self.backends = validate_backends(backends, OP_NAMES)
         H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         if H % cfg.o_groups:
             raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)
@@ -225,24 +228,26 @@ class Attention(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def _check(self, x: torch.Tensor, step: Step) -> None:
-        if not isinstance(step, Step):
-            raise DSV4TypeError.of("step", "a dsv4.cache.Step from PagedKVCache.plan_step", type(step).__name__)
+    def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool) -> None:
+        """Everything that can reject the call, before the first cache write (SPEC §12)."""
         md = step.metadata
+        if not isinstance(x, torch.Tensor):
+            raise DSV4TypeError.of("x", "a torch.Tensor [T, hidden]", type(x).__name__)
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
             raise DSV4ValueError.of("x", f"shape [T, {self.cfg.hidden_size}]", tuple(x.shape))
         if x.shape[0] != md.num_tokens:
             raise DSV4ValueError.of("x", f"{md.num_tokens} rows (the step's tokens)", x.shape[0])
         if x.dtype != self.wq_a.weight.dtype:
             raise DSV4TypeError.of("x", f"dtype {self.wq_a.weight.dtype} (the layer's parameters)", x.dtype)
-        if x.device != step.cache.device:
-            raise DSV4ValueError.of("x", f"device {step.cache.device} (the cache's)", x.device)
-        step.cache.check_profile(self.profile)
-        step.cache.layer(self.layer_id)
+        if x.device != cache.device:
+            raise DSV4ValueError.of("x", f"device {cache.device} (the cache's)", x.device)
+        check_parameter_dtypes(self, x)
+        check_cache_matches(self, cache)
         check = x.device.type == "cpu" if self.check_finite is None else self.check_finite
         if check and not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf (a sync on GPUs)
             bad = (~torch.isfinite(x)).any(-1).nonzero().flatten().tolist()
             raise DSV4ValueError.of("x", "finite values", f"NaN/Inf in token rows {bad[:8]}")
+        resolve_backends(self, x, step, attends)
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
         """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""
@@ -283,9 +288,23 @@ class Attention(nn.Module):
         cache updates (SPEC §3 steps 2-4) still run for all ``T`` tokens, so the caches end as after a
         full call, while indexer scoring, sparse attention and the output projection run for ``rows``
         only; the result is then ``[len(rows), hidden]``.
+
+        Every check runs before the first cache write (SPEC §12). A stale step (its requests re-planned
+        or freed since) is refused and changes nothing. Any other error marks the step's requests as
+        unwritten by this layer (``PagedKVCache.mark_unwritten``): run the same step again with a
+        corrected input, or free the requests; the next ``plan_step`` including them refuses otherwise.
         """
-        self._check(x, step)
-        T = x.shape[0]
+        cache = check_step(step)
+        try:
+            out = self._forward(x, step, cache, rows)
+        except BaseException:
+            cache.mark_unwritten(step, self.layer_id)
+            raise
+        cache.mark_written(step, self.layer_id)
+        return out
+
+    def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None) -> torch.Tensor:
+        T = step.metadata.num_tokens
         if rows is None:
             lo, hi = 0, T
         elif isinstance(rows, slice) and rows.step in (None, 1):
@@ -293,6 +312,7 @@ class Attention(nn.Module):
             hi = max(lo, hi)
         else:
             raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
+        self._check(x, step, cache, attends=hi > lo)
         self.reserve_positions(step.metadata.max_seq_len)
         cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
         kv_format = step.cache.kv_format

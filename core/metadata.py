@@ -22,6 +22,7 @@ __all__ = [
     "RatioMetadata",
     "StepMetadata",
     "closing_windows_in_call",
+    "dense_compressed_indices",
     "round_up",
     "slots_from_block_table",
     "topk_local_to_global",
@@ -139,7 +140,7 @@ def slots_from_block_table(
     page = safe // block_size
     rows = token_request.long().unsqueeze(-1).expand_as(page)
     in_range = page < block_table.shape[1]
-    phys = block_table.long()[rows, page.clamp(max=block_table.shape[1] - 1)]
+    phys = block_table[rows, page.clamp(max=block_table.shape[1] - 1)].long()  # no int64 copy of the table
     slots = phys * block_size + safe % block_size
     slots = torch.where(valid & in_range & (phys >= 0), slots, torch.full_like(slots, -1))
     return slots.squeeze(-1) if squeeze else slots
@@ -158,3 +159,31 @@ def topk_local_to_global(
     slots = slots_from_block_table(topk_local, token_request, block_table, block_size)
     lens = (slots >= 0).sum(dim=-1).to(torch.int32)
     return slots.to(torch.int32), lens
+
+
+def dense_compressed_indices(
+    positions: torch.Tensor, token_request: torch.Tensor, block_table: torch.Tensor, block_size: int, ratio: int,
+    max_visible: int, alignment: int = INDEX_ALIGNMENT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HCA index lists (SPEC §2, §10): every compressed entry ``i < (p+1)//ratio`` of a token's request.
+
+    positions: ``[T]`` int64. token_request: ``[T]`` batch row. block_table: ``[R, max_blocks]`` int32 of the
+    compressed group. max_visible: host-side ``max((p+1)//ratio)`` over the tokens (sizes the table with
+    no device sync). Returns ``(indices [T, W] int32 global slots, -1 padded; lens [T] int32)`` with
+    ``W = max(alignment, round_up(max_visible, alignment))``, on ``positions``' device.
+
+    The slots of entry j depend only on the request, so they are computed once per request (``[R, W]``)
+    and gathered per token: two ``[T, W]`` int32 passes, no int64 ``[T, W]`` temporaries.
+    """
+    width = max(alignment, round_up(int(max_visible), alignment))
+    device = positions.device
+    cols = torch.arange(width, device=device)
+    pages = cols // block_size
+    table = block_table.to(device=device, dtype=torch.int32)
+    phys = table[:, pages.clamp(max=table.shape[1] - 1)]  # [R, W]
+    per_request = torch.where((pages < table.shape[1]) & (phys >= 0), phys * block_size + (cols % block_size).to(
+        torch.int32), torch.full_like(phys, -1))
+    visible = (positions + 1) // ratio  # [T]
+    indices = per_request.index_select(0, token_request.to(device=device, dtype=torch.long))
+    indices.masked_fill_(cols[None, :] >= visible[:, None], -1)
+    return indices, visible.to(torch.int32)

@@ -1,0 +1,140 @@
+"""What ``Attention`` checks before it writes a cache byte (SPEC §12), kept apart from the forward.
+
+Every check here raises a :class:`~dsv4.specs.errors.DSV4Error` naming the argument, what was
+expected and what came, and runs before the first write of a forward: a rejected call leaves every
+cache byte as it was. Backend choices are checked twice: names against the registry when the layer
+is built, and every op's selection for the step's actual request before the first write (the
+registry caches selections, so a step pays a few dictionary lookups a layer).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from dsv4.backend import Backend
+from dsv4.cache import PagedKVCache, Step
+from dsv4.ops.dispatch import resolve
+from dsv4.ops.library import request_fields
+from dsv4.registry import get_registry
+from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
+
+if TYPE_CHECKING:
+    from dsv4.layer import Attention
+
+__all__ = ["check_cache_matches", "check_parameter_dtypes", "check_step", "resolve_backends", "validate_backends"]
+
+
+def validate_backends(backends: object, op_names: tuple[str, ...]) -> dict[str, str | Backend]:
+    """``{op: backend}`` for every op from ``Attention``'s ``backends`` argument.
+
+    backends: None / ``"auto"``, a registered backend name or a :class:`~dsv4.backend.Backend` for every
+    op, or a mapping ``{op_name: name or Backend}`` (missing ops: ``"auto"``). Unknown op keys and names
+    that no registered backend has are refused here, when the layer is built."""
+    if backends is None or isinstance(backends, (str, Backend)):
+        chosen = dict.fromkeys(op_names, backends or "auto")
+    elif isinstance(backends, Mapping):
+        unknown = sorted(set(backends) - set(op_names), key=str)
+        if unknown:
+            raise DSV4ValueError.of("backends", f"keys among {op_names}", unknown)
+        chosen = {op: backends.get(op, "auto") for op in op_names}
+    else:
+        raise DSV4TypeError.of("backends", "None, a backend name, a dsv4.Backend or {op_name: backend}",
+                               f"{type(backends).__name__} {backends!r}"[:120])
+    registry = get_registry()
+    for op, backend in chosen.items():
+        where = "backends" if isinstance(backends, (str, Backend)) else f"backends[{op!r}]"
+        if isinstance(backend, Backend):
+            continue
+        if not isinstance(backend, str):
+            raise DSV4TypeError.of(where, "a backend name (str) or a dsv4.Backend", type(backend).__name__)
+        if backend not in ("", "auto") and backend not in registry.backend_names():
+            failed = [s.name for s in registry.plugin_statuses() if s.state == "failed"]
+            raise DSV4ValueError.of(where, f"'auto' or a registered backend ({', '.join(registry.backend_names())})",
+                                    repr(backend),
+                                    hint=f"plugins that failed to load: {', '.join(failed)}" if failed else "")
+    return chosen
+
+
+def check_step(step: object) -> PagedKVCache:
+    """``step`` must be a :class:`~dsv4.cache.Step` that is still the latest plan of its requests."""
+    if not isinstance(step, Step):
+        raise DSV4TypeError.of("step", "a dsv4.cache.Step from PagedKVCache.plan_step", type(step).__name__)
+    step.cache.check_step(step)
+    return step.cache
+
+
+def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
+    """The cache was built for a config that agrees with the layer's: profile, layer kind, window."""
+    cache.check_profile(attn.profile)
+    lc = cache.layer(attn.layer_id)
+    if lc.kind != attn.kind:
+        raise CacheLayoutError.of(
+            f"step.cache layer {attn.layer_id}",
+            f"a {attn.kind.name} layer (compress ratio {attn.kind.ratio}), as the layer's config says",
+            f"{lc.kind.name} (ratio {lc.kind.ratio}) in the cache's config",
+            hint="build the cache and the layer from the same ModelConfig")
+    if cache.window != attn.cfg.sliding_window:
+        raise CacheLayoutError.of("step.cache sliding_window", f"{attn.cfg.sliding_window} (the layer's config)",
+                                  cache.window, hint="build the cache and the layer from the same ModelConfig")
+
+
+def _fp32_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's tensors that SPEC keeps in fp32 whatever the activations: sink, norm weights,
+    compressor weights and APE, the RoPE table (SPEC §3-§5, §7)."""
+    for name, p in attn.named_parameters():
+        if name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name:
+            yield name, p
+    yield "cos_sin (RoPE table buffer)", attn.cos_sin
+
+
+def check_parameter_dtypes(attn: Attention, x: torch.Tensor) -> None:
+    """fp32 parameters must still be fp32 (float64 allowed for the float64 ideal): ``attn.to(torch.bfloat16)``
+    or ``.half()`` casts them too, and the ops would fail later naming their own arguments."""
+    allowed = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
+    bad = [(name, t.dtype) for name, t in _fp32_tensors(attn) if t.dtype not in allowed]
+    if bad:
+        also = f"{', '.join(n for n, _ in bad[1:])} were cast too; " if len(bad) > 1 else ""
+        raise DSV4TypeError.of(
+            f"layer parameter {bad[0][0]}", "dtype torch.float32 (SPEC §3-§5: kept fp32 for bf16 input)", bad[0][1],
+            hint=f"{also}Attention.to(dtype) / .half() / .bfloat16() casts every floating parameter: build the "
+            "layer in its own dtypes and cast the input x (load bf16 weights with load_state_dict), not the layer")
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool) -> None:
+    """Select the backend of every op this forward will call, with the request it will make, before
+    anything is written: a backend that cannot run (or a bad ``DSV4_BACKEND``) raises here.
+
+    attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
+    row range); otherwise only the cache writes run. Field values mirror ``dsv4.ops.library.request_fields``
+    of the calls in ``Attention.forward``."""
+    cfg, md, cache, be = attn.cfg, step.metadata, step.cache, attn.backends
+    H, D, dtype, profile = cfg.num_attention_heads, cfg.head_dim, x.dtype, attn.profile
+    calls: list[tuple[str, tuple, dict, dict | None]] = [
+        ("qnorm_rope_insert", (_meta((0, H, D), dtype),), {"kv_format": cache.kv_format, "profile": profile}, None)]
+    if attn.compressor is not None:
+        calls.append(("compress_insert", (), {"out_format": cache.kv_format, "profile": profile}, None))
+    if attn.indexer is not None:
+        key_format, idx = cache.indexer_key_format, attn.indexer
+        calls.append(("compress_insert", (), {"out_format": key_format, "profile": profile}, None))
+        if attends:
+            iq = _meta((0, idx.n_heads, idx.head_dim), dtype)
+            calls.append(("indexer_q", (iq,), {"profile": profile}, None))
+            calls.append(("indexer_topk", (iq,), {"key_format": key_format, "topk": cfg.index_topk}, None))
+    if attends:
+        if attn.indexer is not None:
+            extra, kind = _meta((0, cfg.index_topk), torch.int32), "topk"
+        elif attn.compressor is not None:
+            extra, kind = _meta((0, md.ratios[attn.kind.ratio].hca_indices.shape[1]), torch.int32), "dense"
+        else:
+            extra, kind = None, "none"
+        q = _meta((0, H, D), dtype)
+        calls.append(("sparse_attention", (q, None, None, None, None, extra),
+                      {"kv_format": cache.kv_format, "profile": profile}, {"extra_kind": kind}))
+        calls.append(("output_projection", (q,), {}, None))
+    for op, args, kwargs, hints in calls:
+        resolve(op, x.device, be[op], **request_fields(op, args, kwargs, hints))

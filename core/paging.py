@@ -1,0 +1,132 @@
+"""Page pool and per-request block tables of one cache group (SPEC §10), used by ``dsv4.cache``.
+
+A request's table maps its logical pages ``0 .. length-1`` to physical pages (``-1`` once freed).
+Sliding groups (SWA, compressor state) free pages from the front only, so the table is ``-1`` on
+``[0, first_live)`` and allocated on ``[first_live, length)``: planning a step looks at the pages
+that slide out and the pages it appends, never at the whole table, and the table is a persistent
+int32 array (capacity doubling) whose live pages are scattered into the step's ``[R, max_pages]``
+table on the cache's device. A decode step thus costs the same host work at 4K or 1M tokens of
+context; what still grows with context is the fill of that table with -1 (the width is the
+absolute logical page count, SPEC §10) and, for the compressed groups, their pages themselves.
+
+Planning is split in two so that a step is all-or-nothing (``PagedKVCache.plan_step``):
+:meth:`BlockPool.plan` only reads, then every request's sliding pages are freed (:meth:`release_front`)
+before any request allocates (:meth:`append`).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+__all__ = ["BlockPool", "PageTable"]
+
+
+class PageTable:
+    """One request's logical -> physical pages in one group.
+
+    pages: ``[capacity]`` int32, the first ``length`` entries valid (-1 where freed).
+    first_live: logical pages ``< first_live`` were freed (they slid out of the group's window).
+    """
+
+    __slots__ = ("first_live", "length", "pages")
+
+    def __init__(self) -> None:
+        self.pages = torch.full((8,), -1, dtype=torch.int32)
+        self.length = 0
+        self.first_live = 0
+
+    def view(self) -> torch.Tensor:
+        """``[length]`` int32, a view (no copy)."""
+        return self.pages[: self.length]
+
+    def extend(self, physical: list[int]) -> None:
+        end = self.length + len(physical)
+        if end > self.pages.numel():
+            grown = torch.full((max(end, 2 * self.pages.numel()),), -1, dtype=torch.int32)
+            grown[: self.length] = self.pages[: self.length]
+            self.pages = grown
+        self.pages[self.length:end] = torch.tensor(physical, dtype=torch.int32)
+        self.length = end
+
+
+class BlockPool:
+    """Physical pages of one cache group (``num_blocks`` pages of ``block_size`` entries) and the
+    request tables that own them. ``window`` is None for groups that keep every entry."""
+
+    def __init__(self, name: str, block_size: int, num_blocks: int, window: int | None):
+        self.name, self.block_size, self.num_blocks, self.window = name, block_size, num_blocks, window
+        self.free_pages: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end
+        self._tables: dict[Hashable, PageTable] = {}
+
+    @property
+    def tables(self) -> dict[Hashable, list[int]]:
+        """``{request: [physical page of each logical page, -1 where freed]}``: a snapshot (tests, debugging)."""
+        return {r: t.view().tolist() for r, t in self._tables.items()}
+
+    def owned_pages(self) -> int:
+        """Pages held by requests (``owned_pages() + len(free_pages) == num_blocks`` always)."""
+        return sum(t.length - t.first_live for t in self._tables.values())
+
+    # -- planning (read only) --------------------------------------------------------------------
+
+    def plan(self, request_id: Hashable, first_needed: int, end: int) -> tuple[int, int, int]:
+        """``(free_stop, freed, needed)``: logical pages ``[first_live, free_stop)`` (``freed`` of them)
+        slid out (every entry ``< first_needed``), and how many pages ``[0, end)`` entries need beyond
+        the table. O(1)."""
+        table = self._tables.get(request_id)
+        length, first_live = (table.length, table.first_live) if table is not None else (0, 0)
+        stop = first_live
+        if self.window is not None:
+            # page i is out when all its entries are: (i + 1) * B <= first_needed
+            stop = max(first_live, min(length, first_needed // self.block_size))
+        needed = max(0, -(-end // self.block_size) - length)
+        return stop, stop - first_live, needed
+
+    # -- commit (after every check passed) ---------------------------------------------------------
+
+    def release_front(self, request_id: Hashable, free_stop: int) -> None:
+        """Return logical pages ``[first_live, free_stop)`` of ``request_id`` to the pool."""
+        table = self._tables.get(request_id)
+        if table is None or free_stop <= table.first_live:
+            return
+        self.free_pages.extend(table.pages[table.first_live:free_stop].tolist())
+        table.pages[table.first_live:free_stop] = -1
+        table.first_live = free_stop
+
+    def append(self, request_id: Hashable, needed: int) -> None:
+        """Give ``request_id`` ``needed`` more pages (the caller checked there are enough)."""
+        if needed <= 0:
+            return
+        if needed > len(self.free_pages):  # a caller bug, never a user error: plan_step checks first
+            raise AssertionError(f"{self.name}: {needed} pages asked, {len(self.free_pages)} free")
+        taken = self.free_pages[-needed:][::-1]  # the order pop() would give
+        del self.free_pages[-needed:]
+        self._tables.setdefault(request_id, PageTable()).extend(taken)
+
+    def release(self, request_id: Hashable) -> None:
+        """Return every page of ``request_id``."""
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.free_pages.extend(table.pages[table.first_live:table.length].tolist())
+
+    # -- step tables -------------------------------------------------------------------------------
+
+    def table_tensor(self, request_ids: Sequence[Hashable], device: torch.device) -> torch.Tensor:
+        """``[R, max(1, longest table)]`` int32 on ``device``, -1 padded: the step's block table.
+
+        Built as a fill of -1 on the device plus one scatter of the live pages ``[first_live, length)``
+        of each request: host work and the host->device copy are O(live pages), not O(context)."""
+        tables = [self._tables.get(r) for r in request_ids]
+        width = max([1] + [t.length for t in tables if t is not None])
+        out = torch.full((len(request_ids), width), -1, dtype=torch.int32, device=device)
+        live = [(row, t) for row, t in enumerate(tables) if t is not None and t.length > t.first_live]
+        if live:
+            counts = torch.tensor([t.length - t.first_live for _, t in live])
+            rows = torch.repeat_interleave(torch.tensor([row for row, _ in live]), counts)
+            segment_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            cols = torch.repeat_interleave(torch.tensor([t.first_live for _, t in live]), counts) + \
+                torch.arange(int(counts.sum())) - segment_start
+            pages = torch.cat([t.pages[t.first_live:t.length] for _, t in live])
+            out[rows.to(device), cols.to(device)] = pages.to(device)
+        return out

@@ -1,0 +1,194 @@
+"""Step planning as a transaction (SPEC §10, §12): all-or-nothing plans, page accounting under a random
+schedule, stale steps, argument errors, and tables built from live pages only."""
+import random
+
+import numpy as np
+import pytest
+import torch
+from dsv4.cache import OutOfBlocksError, PagedKVCache, StaleStepError, StepRequest
+from dsv4.metadata import dense_compressed_indices, slots_from_block_table
+from dsv4.specs.config import ModelConfig
+from dsv4.specs.errors import DSV4Error, DSV4TypeError, DSV4ValueError
+
+CFG = ModelConfig.preset("tiny")  # layers: 0 SWA, 1 CSA, 2 HCA
+
+
+def _state(cache: PagedKVCache) -> tuple:
+    return ({n: g.tables for n, g in cache.groups.items()}, {n: list(g.free_pages) for n, g in cache.groups.items()},
+            dict(cache.seq_lens))
+
+
+def _check_accounting(cache: PagedKVCache) -> dict:
+    """Every page is free or owned by exactly one request: returns {(group, page): request}."""
+    owner = {}
+    for name, group in cache.groups.items():
+        for request, table in group.tables.items():
+            for page in table:
+                if page >= 0:
+                    assert (name, page) not in owner, f"page {name}:{page} owned twice"
+                    owner[(name, page)] = request
+        owned = sum(1 for g, _ in owner if g == name)
+        assert owned == group.owned_pages()
+        assert owned + len(group.free_pages) == group.num_blocks, name
+        assert len(set(group.free_pages)) == len(group.free_pages), name
+        assert not set(group.free_pages) & {p for g, p in owner if g == name}, name
+    return owner
+
+
+def test_pages_that_a_later_request_frees_can_serve_an_earlier_one():
+    """B's decode frees two SWA pages that A (earlier in the batch) needs: commit frees first, then allocates."""
+    cache = PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
+    cache.plan_step([StepRequest("B", 256)])
+    assert cache.free_pages()["swa"] == 0
+    step = cache.plan_step([StepRequest("A", 1), StepRequest("B", 1)])
+    assert cache.seq_lens == {"A": 1, "B": 257}
+    owner = _check_accounting(cache)
+    assert owner[("swa", step.metadata.swa_slot_mapping[0].item() // 64)] == "A"
+    cache.free("A")
+    cache.free("B")
+    assert cache.free_pages() == {"c128": 64, "state128": 64, "swa": 4}
+
+
+def test_out_of_pages_plan_changes_nothing_even_when_other_requests_free_pages():
+    cache = PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
+    cache.plan_step([StepRequest("B", 256)])
+    before = _state(cache)
+    with pytest.raises(OutOfBlocksError, match="swa"):  # B frees 2 pages, A needs 3
+        cache.plan_step([StepRequest("A", 130), StepRequest("B", 1)])
+    assert _state(cache) == before
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_schedule_keeps_page_accounting_and_slot_ownership(seed):
+    rng = random.Random(seed)
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks={"swa": 40, "c4": 30, "c128": 30, "state4": 60, "state128": 200})
+    live: dict = {}
+    planned = 0
+    for it in range(150):
+        requests = [StepRequest(r, rng.choice([1, 1, 2, 3, 5, 64, 127, 129])) for r in live if rng.random() < 0.6]
+        if rng.random() < 0.5:
+            requests.append(StepRequest(f"n{it}", rng.choice([1, 3, 4, 127, 128, 200, 300])))
+        rng.shuffle(requests)
+        if not requests:
+            continue
+        before = _state(cache)
+        try:
+            step = cache.plan_step(requests)
+        except OutOfBlocksError:
+            assert _state(cache) == before
+            if live:  # preempt one
+                victim = rng.choice(sorted(live))
+                cache.free(victim)
+                del live[victim]
+            _check_accounting(cache)
+            continue
+        planned += 1
+        for r in requests:
+            live[r.request_id] = live.get(r.request_id, 0) + r.num_tokens
+        assert cache.seq_lens == live
+        owner = _check_accounting(cache)
+        md = step.metadata
+        rows, positions = md.token_request.tolist(), md.positions.tolist()
+        slots = md.swa_slot_mapping.tolist()
+        assert len(set(slots)) == len(slots)
+        for t, (row, p) in enumerate(zip(rows, positions)):
+            request = md.request_ids[row]
+            n = md.swa_lens[t].item()
+            assert n == min(p + 1, CFG.sliding_window)
+            assert all(owner[("swa", s // 64)] == request for s in md.swa_indices[t, :n].tolist() + [slots[t]])
+            for ratio, rm in md.ratios.items():
+                state_slot = rm.state_slot_mapping[t].item()
+                assert owner[(f"state{ratio}", state_slot // rm.state.block_size)] == request
+                entry_slot = rm.compressed_slot_mapping[t].item()
+                assert (entry_slot >= 0) == ((p + 1) % ratio == 0)
+                if entry_slot >= 0:
+                    assert owner[(f"c{ratio}", entry_slot // rm.compressed.block_size)] == request
+                if rm.hca_indices is not None:
+                    visible = (p + 1) // ratio
+                    assert rm.hca_lens[t].item() == visible
+                    got = rm.hca_indices[t].tolist()
+                    assert all(owner[("c128", s // 2)] == request for s in got[:visible])
+                    assert set(got[visible:]) <= {-1}
+    assert planned > 50
+
+
+def test_step_tables_equal_the_request_tables():
+    """Tables are scattered from live pages only; the result is the full [R, pages] table, -1 where freed."""
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=600)
+    cache.plan_step([StepRequest("a", 1000), StepRequest("b", 3)])
+    step = cache.plan_step([StepRequest("b", 1), StepRequest("a", 1), StepRequest("c", 7)]).metadata
+    tables = {"swa": step.swa, "c4": step.ratios[4].compressed, "state4": step.ratios[4].state,
+              "c128": step.ratios[128].compressed, "state128": step.ratios[128].state}
+    for name, table in tables.items():
+        rows = [cache.groups[name].tables.get(r, []) for r in ("b", "a", "c")]
+        width = max(1, *map(len, rows))
+        want = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32)
+        assert torch.equal(table.block_table, want), name
+    assert cache.groups["state4"].tables["a"][:240] == [-1] * 240  # slid out (freed), decode at 1000
+
+
+def test_dense_compressed_indices_match_the_formula():
+    bt = torch.tensor([[5, 2, -1], [7, 1, 3]], dtype=torch.int32)
+    positions = torch.tensor([0, 127, 255, 639, 383])
+    token_request = torch.tensor([0, 0, 0, 1, 1])
+    got, lens = dense_compressed_indices(positions, token_request, bt, 2, 128, max_visible=5)
+    assert got.dtype == torch.int32 and got.shape == (5, 128)
+    assert lens.tolist() == [0, 1, 2, 5, 3]
+    for t in range(5):
+        local = torch.arange(128)
+        local = torch.where(local < lens[t], local, -1)
+        want = slots_from_block_table(local, token_request[t].expand(128), bt, 2)
+        assert torch.equal(got[t].long(), want), t
+
+
+def test_free_and_replan_make_earlier_steps_stale_but_not_the_latest():
+    cache = PagedKVCache(CFG, [0], num_blocks=8)
+    old = cache.plan_step([StepRequest("victim", 10)])
+    cache.free("victim")
+    with pytest.raises(StaleStepError, match="'victim' was freed"):
+        cache.check_step(old)
+    first = cache.plan_step([StepRequest("a", 5)])
+    other = cache.plan_step([StepRequest("b", 5)])
+    cache.check_step(first)  # b's plan does not touch a's latest step
+    cache.check_step(other)
+    cache.check_step(other)  # checking never consumes a step
+    cache.plan_step([StepRequest("a", 1)])
+    with pytest.raises(StaleStepError, match="'a' was re-planned"):
+        cache.check_step(first)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda c: c.plan_step([StepRequest("r", True)]), DSV4TypeError, "num_tokens: expected an int >= 1, got bool"),
+    (lambda c: c.plan_step([StepRequest("r", 0)]), DSV4ValueError, "num_tokens: expected an int >= 1, got 0"),
+    (lambda c: c.plan_step([StepRequest(["r"], 3)]), DSV4TypeError, "request_id: expected a hashable id"),
+    (lambda c: c.plan_step([("r", 3)]), DSV4TypeError, r"requests\[0\]: expected a dsv4.StepRequest"),
+    (lambda c: c.plan_step(StepRequest(f"r{i}", 1) for i in range(2)), DSV4TypeError,
+     "requests: expected a list or tuple of StepRequest, got generator"),
+    (lambda c: c.plan_step(None), DSV4TypeError, "requests: expected a list or tuple of StepRequest, got None"),
+    (lambda c: c.plan_step([]), DSV4ValueError, "requests: expected at least one StepRequest"),
+    (lambda c: c.free(["r"]), DSV4ValueError, "request_id: expected a request known to this cache"),
+    (lambda c: PagedKVCache(CFG, [0], num_blocks=True), DSV4ValueError, r"num_blocks\['swa'\]: expected a positive"),
+    (lambda c: PagedKVCache(CFG, [0], num_blocks={"swa": 4, "bogus": 3}), DSV4ValueError,
+     r"num_blocks: expected keys among .*got \['bogus'\]"),
+    (lambda c: PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4}), DSV4ValueError,
+     r"num_blocks\['c128'\]: expected a positive int, got missing"),
+])
+def test_plan_and_cache_arguments_raise_named_errors(call, error, message):
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=16)
+    before = _state(cache)
+    with pytest.raises(error, match=message) as info:
+        call(cache)
+    assert isinstance(info.value, DSV4Error)
+    assert _state(cache) == before
+
+
+def test_numpy_token_counts_and_unused_group_keys_are_accepted():
+    cache = PagedKVCache(CFG, [0], num_blocks={"swa": 4, "c4": 9})  # c4: a group these layers do not use
+    step = cache.plan_step([StepRequest("r", np.int64(5))])
+    assert step.metadata.query_lens == (5,) and type(step.metadata.query_lens[0]) is int
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_a_named_error():
+    with pytest.raises(DSV4ValueError, match="device: expected a device available on this machine, got 'cuda'"):
+        PagedKVCache(CFG, [0], num_blocks=4, device="cuda")
