@@ -149,13 +149,18 @@ def check_pages(name: str, block_table: torch.Tensor, num_blocks: int) -> None:
                                 f"range [{low}, {high}]")
 
 
+def _check_below(name: str, values: torch.Tensor, rows: int, of_what: str = "") -> None:
+    """Every value in ``[0, rows)``."""
+    if values.numel() == 0:
+        return
+    low, high = _min_max(values)
+    if low < 0 or high >= rows:
+        raise DSV4ValueError.of(name, f"values in [0, {rows}){of_what}", f"range [{low}, {high}]")
+
+
 def check_positions_range(positions: torch.Tensor, rows: int) -> None:
     """positions in ``[0, rows)``, ``rows`` the rows of ``cos_sin``."""
-    if positions.numel() == 0:
-        return
-    low, high = _min_max(positions)
-    if low < 0 or high >= rows:
-        raise DSV4ValueError.of("positions", f"values in [0, {rows}) (rows of cos_sin)", f"range [{low}, {high}]")
+    _check_below("positions", positions, rows, " (rows of cos_sin)")
 
 
 def check_positions_nonnegative(positions: torch.Tensor) -> None:
@@ -165,11 +170,7 @@ def check_positions_nonnegative(positions: torch.Tensor) -> None:
 
 def check_request_ids(token_request: torch.Tensor, rows: int) -> None:
     """Every token's request row is a row of the block table (``rows`` of them)."""
-    if token_request.numel() == 0:
-        return
-    low, high = _min_max(token_request)
-    if low < 0 or high >= rows:
-        raise DSV4ValueError.of("token_request", f"values in [0, {rows})", f"range [{low}, {high}]")
+    _check_below("token_request", token_request, rows)
 
 
 def check_indices(name: str, indices: torch.Tensor, lens: torch.Tensor, capacity: int | None) -> None:
