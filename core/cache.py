@@ -89,7 +89,7 @@ class LayerCache:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Step:
     """A planned step: the metadata, the cache it refers to and its serial number in that cache
     (``PagedKVCache.check_step`` compares it with the latest plan of each request)."""
@@ -125,10 +125,13 @@ class PagedKVCache:
       ``free``, make earlier steps of it stale, and ``Attention`` refuses a stale step
       (:class:`StaleStepError`) before writing. Running the latest step again is allowed (every layer
       of a model runs it; a re-run writes the same bytes).
-    - A forward that raises (a rejected input, a backend that cannot run) leaves that layer's pages of
-      the step unwritten: the layer reports it (``mark_unwritten``) and a later ``plan_step`` including
-      one of those requests raises, naming the layers. Either run the same step again with a corrected
-      input (a success clears the mark) or ``free()`` the request and prefill it again.
+    - A forward that raises (a rejected input, a backend that cannot run) may leave the step unwritten
+      in that layer and in the layers after it, which never ran: the layer reports it
+      (``mark_unwritten``), which marks every layer of this cache for the step's requests, and a later
+      ``plan_step`` including one of them raises, naming the layers still to run. Run the same step
+      again in every layer with a corrected input (each success clears its layer) or ``free()`` the
+      request and prefill it again. A request that made the input bad (a NaN row) can be freed after
+      the re-run: its rows may be anything finite, e.g. zeros, in that re-run.
     """
 
     def __init__(
@@ -238,13 +241,14 @@ class PagedKVCache:
 
     def mark_unwritten(self, step: Step, layer_id: int) -> None:
         """A layer's forward of the (current) ``step`` raised: its pages of the step's requests may be
-        unwritten or partly written. ``plan_step`` refuses those requests until a forward of the same
-        step by that layer succeeds (``mark_written``) or they are freed."""
+        unwritten or partly written, and the layers after it never ran. ``plan_step`` refuses those
+        requests until every layer of this cache has run the same step again (``mark_written``, one
+        layer at a time) or they are freed."""
         if layer_id not in self.layers or step.cache is not self:
             return
         for request_id in step.metadata.request_ids:
             if self._epochs.get(request_id) == step.serial:
-                self._unwritten.setdefault(request_id, set()).add(layer_id)
+                self._unwritten.setdefault(request_id, set()).update(self.layers)
 
     def mark_written(self, step: Step, layer_id: int) -> None:
         """A layer's forward of the (current) ``step`` succeeded: clear its marks for the step's requests."""
@@ -300,8 +304,9 @@ class PagedKVCache:
             if r in self._unwritten:
                 raise DSV4ValueError.of(
                     f"requests[{r!r}]", "a request whose previous step every layer wrote",
-                    f"layers {sorted(self._unwritten[r])} raised during step #{self._epochs[r]} and did not write it",
-                    hint="run that step again with a corrected input, or free() the request and prefill it again")
+                    f"layers {sorted(self._unwritten[r])} still to run step #{self._epochs[r]} since a forward of it raised",
+                    hint="run that step again in those layers with a corrected input (rows of a request you then "
+                         "free may be zeros), or free() the request and prefill it again")
 
         plans = {}
         for name, group in self.groups.items():
@@ -310,20 +315,47 @@ class PagedKVCache:
             freed = sum(f for _, f, _ in plans[name])
             needed = sum(n for _, _, n in plans[name])
             if needed > len(group.free_pages) + freed:
-                raise OutOfBlocksError.of(f"cache group {name!r}", f"<= {len(group.free_pages) + freed} free pages",
-                                          f"a step needing {needed}")
-        # Commit: nothing below raises. Free what slid out for every request, then allocate.
-        for name, group in self.groups.items():
-            for r, (stop, _, _) in zip(ids, plans[name]):
-                group.release_front(r, stop)
+                raise OutOfBlocksError.of(
+                    f"cache group {name!r}",
+                    f"a step needing at most {len(group.free_pages) + freed} new pages (free, or sliding out)",
+                    f"a step needing {needed}", hint="plan fewer tokens (a smaller chunk) or free requests")
+        # Commit: free what slid out for every request, then allocate. Building the metadata allocates
+        # (device tables); if that raises (out of memory), every change is undone in reverse order.
+        released = {name: [group.release_front(r, stop) for r, (stop, _, _) in zip(ids, plans[name])]
+                    for name, group in self.groups.items()}
         for name, group in self.groups.items():
             for r, (_, _, needed) in zip(ids, plans[name]):
                 group.append(r, needed)
+        before = (self._serial, {r: self.seq_lens.get(r) for r in ids}, {r: self._epochs.get(r) for r in ids})
         self._serial += 1
         for r, e in zip(ids, ends):
             self.seq_lens[r] = e
             self._epochs[r] = self._serial
-        return Step(self._metadata(ids, starts, [r.num_tokens for r in requests]), self, self._serial)
+        try:
+            metadata = self._metadata(ids, starts, [r.num_tokens for r in requests])
+        except BaseException:
+            self._undo_plan(ids, plans, released, before)
+            raise
+        return Step(metadata, self, self._serial)
+
+    def _undo_plan(self, ids: list, plans: dict, released: dict, before: tuple) -> None:
+        """Reverse a committed plan exactly (pages, tables, lengths, plan numbers): ``plan_step`` is
+        all or nothing even when its metadata cannot be built."""
+        for name in reversed(list(self.groups)):
+            group = self.groups[name]
+            for r, (_, _, needed) in reversed(list(zip(ids, plans[name]))):
+                group.undo_append(r, needed)
+        for name in reversed(list(self.groups)):
+            group = self.groups[name]
+            for r, first_live in reversed(list(zip(ids, released[name]))):
+                group.undo_release(r, first_live)
+        self._serial, seq_lens, epochs = before
+        for r in ids:
+            for store, value in ((self.seq_lens, seq_lens[r]), (self._epochs, epochs[r])):
+                if value is None:
+                    store.pop(r, None)
+                else:
+                    store[r] = value
 
     def _metadata(self, ids: list, starts: list[int], lens: list[int]) -> StepMetadata:
         """Per-token vectors are derived on the host (O(T)), then every table is built on the cache's

@@ -245,8 +245,12 @@ class Attention(nn.Module):
         check_cache_matches(self, cache)
         check = x.device.type == "cpu" if self.check_finite is None else self.check_finite
         if check and not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf (a sync on GPUs)
-            bad = (~torch.isfinite(x)).any(-1).nonzero().flatten().tolist()
-            raise DSV4ValueError.of("x", "finite values", f"NaN/Inf in token rows {bad[:8]}")
+            bad = (~torch.isfinite(x)).any(-1).nonzero().flatten()
+            owners = sorted({md.request_ids[int(i)] for i in md.token_request.cpu()[bad.cpu()]}, key=repr)
+            raise DSV4ValueError.of("x", "finite values",
+                                    f"NaN/Inf in token rows {bad[:8].tolist()} (requests {owners[:8]})",
+                                    hint="nothing was written; run the step again with finite rows (zeros for "
+                                         "a request you will free), or free its requests")
         resolve_backends(self, x, step, attends)
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:

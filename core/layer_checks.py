@@ -112,7 +112,21 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
     attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
     row range); otherwise only the cache writes run. Field values mirror ``dsv4.ops.library.request_fields``
     of the calls in ``Attention.forward``."""
-    cfg, md, cache, be = attn.cfg, step.metadata, step.cache, attn.backends
+    md, cache, be = step.metadata, step.cache, attn.backends
+    hca_width = (md.ratios[attn.kind.ratio].hca_indices.shape[1]
+                 if attends and attn.compressor is not None and attn.indexer is None else None)
+    key = (x.device, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width)
+    memo = attn.__dict__.setdefault("_request_fields_memo", {})
+    if key not in memo:  # the fields depend on nothing else: build them once (the registry caches selections)
+        memo[key] = _request_fields_of_forward(attn, x, cache, attends, hca_width)
+    for op, fields in memo[key]:
+        resolve(op, x.device, be[op], **fields)
+
+
+def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVCache, attends: bool,
+                               hca_width: int | None) -> list[tuple[str, dict]]:
+    """``(op, OpRequest fields)`` of every op call ``Attention.forward`` makes (meta tensors stand in)."""
+    cfg = attn.cfg
     H, D, dtype, profile = cfg.num_attention_heads, cfg.head_dim, x.dtype, attn.profile
     calls: list[tuple[str, tuple, dict, dict | None]] = [
         ("qnorm_rope_insert", (_meta((0, H, D), dtype),), {"kv_format": cache.kv_format, "profile": profile}, None)]
@@ -129,12 +143,11 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
         if attn.indexer is not None:
             extra, kind = _meta((0, cfg.index_topk), torch.int32), "topk"
         elif attn.compressor is not None:
-            extra, kind = _meta((0, md.ratios[attn.kind.ratio].hca_indices.shape[1]), torch.int32), "dense"
+            extra, kind = _meta((0, hca_width), torch.int32), "dense"
         else:
             extra, kind = None, "none"
         q = _meta((0, H, D), dtype)
         calls.append(("sparse_attention", (q, None, None, None, None, extra),
                       {"kv_format": cache.kv_format, "profile": profile}, {"extra_kind": kind}))
         calls.append(("output_projection", (q,), {}, None))
-    for op, args, kwargs, hints in calls:
-        resolve(op, x.device, be[op], **request_fields(op, args, kwargs, hints))
+    return [(op, request_fields(op, args, kwargs, hints)) for op, args, kwargs, hints in calls]

@@ -85,14 +85,17 @@ class BlockPool:
 
     # -- commit (after every check passed) ---------------------------------------------------------
 
-    def release_front(self, request_id: Hashable, free_stop: int) -> None:
-        """Return logical pages ``[first_live, free_stop)`` of ``request_id`` to the pool."""
+    def release_front(self, request_id: Hashable, free_stop: int) -> int:
+        """Return logical pages ``[first_live, free_stop)`` of ``request_id`` to the pool (to the end of
+        ``free_pages``, in order); -> the ``first_live`` before, for :meth:`undo_release`."""
         table = self._tables.get(request_id)
         if table is None or free_stop <= table.first_live:
-            return
-        self.free_pages.extend(table.pages[table.first_live:free_stop].tolist())
-        table.pages[table.first_live:free_stop] = -1
+            return -1
+        before = table.first_live
+        self.free_pages.extend(table.pages[before:free_stop].tolist())
+        table.pages[before:free_stop] = -1
         table.first_live = free_stop
+        return before
 
     def append(self, request_id: Hashable, needed: int) -> None:
         """Give ``request_id`` ``needed`` more pages (the caller checked there are enough)."""
@@ -103,6 +106,33 @@ class BlockPool:
         taken = self.free_pages[-needed:][::-1]  # the order pop() would give
         del self.free_pages[-needed:]
         self._tables.setdefault(request_id, PageTable()).extend(taken)
+
+    # -- undo (a plan whose metadata could not be built: PagedKVCache.plan_step) -------------------
+
+    def undo_append(self, request_id: Hashable, needed: int) -> None:
+        """Exactly reverse the latest ``append(request_id, needed)``: the pages go back to the end of
+        ``free_pages`` in the order they were taken from, and a table it created is dropped."""
+        table = self._tables.get(request_id)
+        if needed <= 0 or table is None:
+            return
+        start = table.length - needed
+        self.free_pages.extend(table.pages[start:table.length].flip(0).tolist())
+        table.pages[start:table.length] = -1
+        table.length = start
+        if table.length == 0:
+            del self._tables[request_id]
+
+    def undo_release(self, request_id: Hashable, first_live: int) -> None:
+        """Exactly reverse the latest ``release_front`` (whose return value was ``first_live``), after
+        every later append was undone: its pages are the last ones of ``free_pages``."""
+        table = self._tables.get(request_id)
+        if first_live < 0 or table is None:
+            return
+        count = table.first_live - first_live
+        pages = self.free_pages[-count:]
+        del self.free_pages[-count:]
+        table.pages[first_live:table.first_live] = torch.tensor(pages, dtype=torch.int32)
+        table.first_live = first_live
 
     def release(self, request_id: Hashable) -> None:
         """Return every page of ``request_id``."""

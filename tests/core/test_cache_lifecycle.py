@@ -192,3 +192,39 @@ def test_numpy_token_counts_and_unused_group_keys_are_accepted():
 def test_unavailable_device_is_a_named_error():
     with pytest.raises(DSV4ValueError, match="device: expected a device available on this machine, got 'cuda'"):
         PagedKVCache(CFG, [0], num_blocks=4, device="cuda")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_plan_whose_metadata_cannot_be_built_changes_nothing(monkeypatch, seed):
+    """plan_step builds its metadata (device tables) after committing pages; if that raises (out of
+    memory), the plan is undone exactly: tables, free lists (in order), lengths and plan numbers. Pages
+    that slide out of the window in the failed plan come back too, so the next plan sees the old state."""
+    import dsv4.cache as cache_module
+
+    rng = random.Random(seed)
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=96)
+    for _ in range(30):  # a history with slid-out pages, so releases are undone as well
+        ids = rng.sample(["a", "b", "c"], rng.randint(1, 3))
+        cache.plan_step([StepRequest(r, rng.choice([1, 5, 64, 70])) for r in ids])
+    before = (_state(cache), cache._serial, dict(cache._epochs))
+    latest = cache.plan_step([StepRequest("a", 1)])
+    cache.check_step(latest)
+    state, serial = _state(cache), cache._serial
+
+    def boom(*args, **kwargs):
+        raise MemoryError("out of device memory building the step tables")
+
+    monkeypatch.setattr(cache_module.PagedKVCache, "_metadata", boom)
+    with pytest.raises(MemoryError):
+        cache.plan_step([StepRequest("a", 130), StepRequest("b", 1), StepRequest("new", 70)])
+    assert (_state(cache), cache._serial) == (state, serial)
+    cache.check_step(latest)  # still the latest plan of "a"
+    _check_accounting(cache)
+    assert before[1] < serial
+
+
+def test_step_is_hashable_and_compared_by_identity():
+    cache = PagedKVCache(CFG, [0], num_blocks=16)
+    first = cache.plan_step([StepRequest("r", 3)])
+    second = cache.plan_step([StepRequest("s", 3)])
+    assert len({first, second, first}) == 2 and first != second and first in [first]

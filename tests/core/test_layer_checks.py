@@ -67,7 +67,7 @@ def test_rejected_forward_blocks_the_next_plan_until_retried_or_freed():
     bad[0, 0] = float("nan")
     with pytest.raises(DSV4ValueError, match="NaN/Inf"):
         attn(bad, step)
-    with pytest.raises(DSV4ValueError, match=r"requests\['r'\]: .*layers \[0\] raised during step #1.*free\(\)"):
+    with pytest.raises(DSV4ValueError, match=r"requests\['r'\]: .*layers \[0\] still to run step #1.*free\(\)"):
         cache.plan_step([StepRequest("r", 1)])
     cache.plan_step([StepRequest("t", 2)])  # other requests are not blocked
     attn(_x(43), step)  # the same step with a corrected input: clears the mark
@@ -140,3 +140,27 @@ def test_non_tensor_input_is_a_named_error():
     cache = PagedKVCache(CFG, [0], num_blocks=16)
     with pytest.raises(DSV4TypeError, match="x: expected a torch.Tensor"):
         attn(np.zeros((4, CFG.hidden_size)), cache.plan_step([StepRequest("r", 4)]))
+
+
+def test_a_failed_layer_marks_every_layer_of_the_cache_until_each_has_run_the_step_again():
+    """Layer 0 succeeds, layer 1 raises, layer 2 never runs: all three must run the step again before
+    the next plan (re-running layer 1 alone would leave layer 2's pages of the step unwritten). The NaN
+    error names the requests of the bad rows."""
+    from dsv4.layer import Attention
+
+    torch.manual_seed(0)
+    layers = [Attention(CFG, layer_id=i).double() for i in range(3)]
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
+    step = cache.plan_step([StepRequest("good", 5), StepRequest("bad", 3)])
+    x = torch.randn(8, CFG.hidden_size, dtype=torch.float64)
+    layers[0](x, step)
+    bad = x.clone()
+    bad[6] = float("nan")
+    with pytest.raises(DSV4ValueError, match=r"NaN/Inf in token rows \[6\] \(requests \['bad'\]\)"):
+        layers[1](bad, step)
+    layers[1](x, step)
+    with pytest.raises(DSV4ValueError, match=r"layers \[0, 2\] still to run step"):
+        cache.plan_step([StepRequest("good", 1)])
+    layers[0](x, step)
+    layers[2](x, step)
+    cache.plan_step([StepRequest("good", 1)])
