@@ -293,6 +293,11 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
+                contract = returned_dtypes(run_a)  # B's dtypes are checked above; A's here
+                for name, want in contract.items():
+                    if name in out_a and out_a[name].dtype != want:
+                        row.metrics[f"{name}_{backend_a}"] = {
+                            "passed": False, "reason": f"{backend_a}: dtype {out_a[name].dtype}, expected {want}"}
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule
                     row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
                 row.outcome = _outcome(row.metrics)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from dsv4.backend import Backend, Capabilities, OpRequest
+from dsv4.backend import Backend, Capabilities, OpRequest, one_line
 from dsv4.backends.ascend_dsa import attention
 from dsv4.backends.ascend_dsa.capabilities import CAPABILITIES, request_reasons
 from dsv4.hookspecs import hookimpl
@@ -45,7 +45,7 @@ class AscendDSABackend(Backend):
         try:
             attention.import_ascend_ops()
         except Exception as exc:  # noqa: BLE001 - any load failure means "absent", with its reason
-            return [f"vllm-ascend custom ops unavailable: {exc}"]
+            return [one_line(f"vllm-ascend custom ops unavailable: {type(exc).__name__}: {exc}")]
         return []
 
     def not_supported_reasons(self, request: OpRequest) -> list[str]:

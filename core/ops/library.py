@@ -11,6 +11,7 @@ annotations to infer the schema.
 import torch
 from dsv4.backend import Backend
 from dsv4.ops.dispatch import resolve
+from dsv4.specs.errors import DSV4ValueError
 from torch import Tensor
 
 __all__ = ["CUSTOM_OPS", "EXTRA_KINDS", "request_fields", "run_backend"]
@@ -39,6 +40,8 @@ def request_fields(op: str, args: tuple, kwargs: dict, hints: dict | None = None
     if op == "sparse_attention":
         q, extra_indices = args[0], args[5]
         kind = (hints or {}).get("extra_kind", "unknown")
+        if kind not in EXTRA_KINDS:  # the custom op is public too (torch.ops.dsv4.sparse_attention)
+            raise DSV4ValueError.of("extra_kind", f"one of {', '.join(EXTRA_KINDS)}", kind)
         return {"dtype": q.dtype, "kv_format": kwargs["kv_format"], "heads": q.shape[1],
                 "topk": None if extra_indices is None else extra_indices.shape[1],
                 "has_sink": True, "profile": kwargs["profile"],
@@ -110,8 +113,8 @@ def _(q, w, positions, token_request, key_cache, key_block_table, topk, key_form
 @torch.library.custom_op("dsv4::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, swa_cache: Tensor, swa_indices: Tensor, swa_lens: Tensor,
                      extra_cache: Tensor | None, extra_indices: Tensor | None, extra_lens: Tensor | None,
-                     sink: Tensor, kv_format: str, softmax_scale: float, profile: str, extra_kind: str,
-                     backend: str) -> tuple[Tensor, Tensor]:
+                     sink: Tensor, kv_format: str, softmax_scale: float, profile: str, extra_kind: str = "unknown",
+                     backend: str = "auto") -> tuple[Tensor, Tensor]:
     return run_backend("sparse_attention", backend,
                        (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
                        {"kv_format": kv_format, "softmax_scale": softmax_scale, "profile": profile},

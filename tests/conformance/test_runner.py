@@ -153,3 +153,20 @@ def test_default_suite_is_small():
     assert {c.op for c in cases} == {"qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk",
                                      "sparse_attention", "output_projection"}
     assert torch.tensor([c.seed for c in cases]).unique().numel() == len(cases)
+
+
+def test_differential_mode_checks_both_sides_dtypes(registry):
+    """A differential run compares B with A and holds both to the returned-dtype contract: a backend A
+    that widens its outputs fails even though B matches A's values."""
+    class Widens(ReferenceBackend):
+        name = "widens"
+
+        def indexer_q(self, *args, **kwargs):
+            q, w = super().indexer_q(*args, **kwargs)
+            return q.double(), w.double()
+
+    registry.register_backend(Widens())
+    result = run_differential("widens", "reference", _cases("indexer_q", "vllm"), registry=registry)
+    row = result.rows[0]
+    assert row.outcome == "failed", row.metrics
+    assert "widens: dtype torch.float64" in row.metrics["q_widens"]["reason"]

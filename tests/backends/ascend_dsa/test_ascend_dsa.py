@@ -307,3 +307,19 @@ def test_virtual_length_boundaries():
         else:
             with pytest.raises(DSV4ValueError, match="extra_indices"):
                 layout.build_tables(*args, mode="sparse", topk=512)
+
+
+def test_probe_reason_is_one_line(monkeypatch):
+    """A vllm-ascend load failure with a multi-line message is reported on one line."""
+    from dsv4.backends.ascend_dsa import attention as ascend_attention
+
+    fake_npu = type("npu", (), {"is_available": staticmethod(lambda: True)})
+    monkeypatch.setattr(torch, "npu", fake_npu, raising=False)
+
+    def broken():
+        raise OSError("libascendcl.so: cannot open shared object file\n  (CANN not installed)")
+
+    monkeypatch.setattr(ascend_attention, "import_ascend_ops", broken)
+    reasons = AscendDSABackend().probe()
+    assert reasons == [("vllm-ascend custom ops unavailable: OSError: libascendcl.so: cannot open shared object "
+                       "file (CANN not installed)")]

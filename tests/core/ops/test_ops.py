@@ -88,3 +88,17 @@ def test_compile_graph_holds_the_opaque_op():
     gm = torch.fx.experimental.proxy_tensor.make_fx(
         lambda *a: ops.output_projection(*a, **kwargs), tracing_mode="fake")(*args)
     assert "dsv4.output_projection" in str(gm.graph)
+
+
+def test_custom_op_extra_kind_defaults_and_is_checked():
+    """torch.ops.dsv4.sparse_attention is public too: extra_kind defaults to "unknown" (callers written
+    before it existed keep working) and a value outside EXTRA_KINDS is refused, not passed on as a
+    selection hint that no backend's rule recognizes."""
+    from dsv4.specs.errors import DSV4ValueError
+
+    prepared = prepare(Case("sparse_attention", "csa", "vllm", "fp8_ds_mla", "decode"))
+    args, kwargs = prepared.steps[0]
+    out, lse = torch.ops.dsv4.sparse_attention(*args, **kwargs)
+    assert out.shape == args[0].shape and lse.shape == args[0].shape[:2]
+    with pytest.raises(DSV4ValueError, match="extra_kind: expected one of topk, dense, none, unknown, got bogus"):
+        torch.ops.dsv4.sparse_attention(*args, **kwargs, extra_kind="bogus", backend="reference")
