@@ -367,7 +367,15 @@ def select_cases(cases: Sequence[Case], ops: Sequence[str] | None = None, keywor
 
 
 def _keyword_match(expression: str, text: str) -> bool:
-    # A tiny subset of pytest -k: words joined by "and"/"or", each optionally prefixed by "not".
+    # A tiny subset of pytest -k: words joined by "and"/"or" (adjacent words: "and"), each optionally
+    # prefixed by "not"; "or" binds loosest. Well-formedness is checked by usage.check_keyword.
+    groups: list[list[str]] = [[]]
+    for token in expression.split():
+        if token == "or":
+            groups.append([])
+        elif token != "and":
+            groups[-1].append(token)
+
     def term(word_list: list[str]) -> bool:
         result, negate = True, False
         for word in word_list:
@@ -379,7 +387,7 @@ def _keyword_match(expression: str, text: str) -> bool:
             negate = False
         return result
 
-    return any(term([w for w in part.split() if w != "and"]) for part in expression.split(" or "))
+    return any(term(group) for group in groups)
 
 
 def prepare(case: Case, device: torch.device | str = "cpu", seed: int | None = None) -> Prepared:

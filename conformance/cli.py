@@ -5,7 +5,7 @@ Subcommands (``run`` is the default)::
     dsv4-conformance list  [--json]
     dsv4-conformance run   [--backend NAME ...] [--op OP ...] [-k EXPR] [--device DEV]
                            [--json PATH] [--junit PATH] [--differential A B [--seed N]]
-    dsv4-conformance golden --verify [--tolerance] | --regenerate
+    dsv4-conformance golden (--verify [--tolerance] | --regenerate) [--dir PATH]
     dsv4-conformance layer-golden FILE.json [--backend NAME] [--device DEV] [--tp N] [--cp N]
                            [--save-outputs OUT.safetensors]
     dsv4-conformance plan  (--preset NAME | --config config.json) [--context N] [--profile P] [--json]
@@ -14,12 +14,15 @@ Exit status:
 
 - 0: something ran and everything that ran passed (expected failures excepted; an unexpected
   pass, XPASS, is reported but does not fail the run); ``golden --verify``: every golden is
-  bit-exact (with ``--tolerance``: within the suite's tolerances).
+  bit-exact (with ``--tolerance``: within the suite's tolerances) and the manifest lists no case that
+  no longer exists.
 - 1: a failure or error; nothing ran at all (every row skipped or unsupported); a file that exists
   but is malformed, incomplete or fails its integrity check (goldens, layer goldens, configs).
 - 2: a usage error: an unknown backend, op or device name, ``--op``/``-k`` selecting no case, a
   number out of range (``--tp``, ``--cp``, ``--context`` must be >= 1), a FILE argument that
-  does not exist.
+  does not exist, a malformed ``-k`` expression, a device this machine does not have, an output path
+  (``--json``, ``--junit``, ``--save-outputs``) that is a directory or in a missing or read-only
+  directory, a ``golden --dir`` that is not a directory. All are checked before anything runs.
 
 Every error is one line on stderr: ``dsv4-conformance: <argument>: expected <what>, got <value>``.
 With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load makes every subcommand exit 1.
@@ -41,7 +44,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# kept under its old name: tests/conftest.py arranges the interpreter exactly as the CLI does
+from dsv4.conformance.usage import interpret_triton_without_gpu as _interpret_triton_without_gpu
+
 __all__ = ["build_parser", "main"]
+
+
+# control characters other than newline shown as escapes: a backend's ANSI codes must not restyle the terminal
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x0A}
+
+
+def _escape(text: Any) -> str:
+    """Backend, case and file text shown as itself: ``[batch, tokens]`` is not rich markup."""
+    from rich.markup import escape
+
+    return escape(str(text).translate(_CONTROL))
 
 
 def _console():
@@ -51,22 +68,6 @@ def _console():
 
     # Logs and CI are not terminals: rich would wrap the tables at 80 columns.
     return Console(stderr=False, highlight=False, width=None if _sys.stdout.isatty() else 180)
-
-
-def _interpret_triton_without_gpu() -> None:
-    """With no GPU, run the Triton backend's kernels under the interpreter (the CPU main job).
-
-    Set before any kernel module is imported; an explicit TRITON_INTERPRET in the environment wins.
-    """
-    import os
-
-    import torch
-
-    if "TRITON_INTERPRET" in os.environ:
-        return
-    has_gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-    if not has_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--regenerate", action="store_true", help="rewrite goldens and manifest (explicit only)")
     p.add_argument("--tolerance", action="store_true",
                    help="with --verify: accept the suite's tolerances instead of bit-exact equality")
+    p.add_argument("--dir", dest="golden_dir", default=None, metavar="PATH",
+                   help="the golden store to verify or rewrite (default: the packaged conformance/golden)")
     p = sub.add_parser("layer-golden", help="replay a dsv4-layer-golden/1 file (SPEC §14)")
     p.add_argument("file")
     p.add_argument("--backend", action="append", default=None,
@@ -141,16 +144,16 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     env = environment()
-    console.print(f"torch {env['torch']}  triton {env['triton']}  device {env['device_name']}  "
-                  f"python {env['python']}")
+    console.print(_escape(f"torch {env['torch']}  triton {env['triton']}  device {env['device_name']}  "
+                          f"python {env['python']}"))
     table = Table(title="dsv4 backends")
     for column in ("backend", "status", "plugin", "versions", "reasons"):
         table.add_column(column, overflow="fold")
     for name, info in statuses.items():
         color = {"available": "green", "unavailable": "yellow"}.get(info["status"], "red")
         versions = ", ".join(f"{k} {v}" for k, v in info["package_versions"].items()) or "-"
-        table.add_row(name, f"[{color}]{info['status']}[/]", str(info.get("plugin")), versions,
-                      "\n".join(info["reasons"]) or "-")
+        table.add_row(_escape(name), f"[{color}]{_escape(info['status'])}[/]", _escape(info.get("plugin")),
+                      _escape(versions), _escape("\n".join(info["reasons"]) or "-"))
     console.print(table)
     return 0
 
@@ -168,7 +171,7 @@ def _print_results(result: Any) -> None:
     from rich.table import Table
 
     console = _console()
-    table = Table(title=f"dsv4 conformance on {result.device}")
+    table = Table(title=f"dsv4 conformance on {_escape(result.device)}")
     for column in ("backend", "op", "case", "outcome", "max abs err", "cos diff", "s", "detail"):
         table.add_column(column, overflow="fold")
     for row in result.rows:
@@ -177,9 +180,9 @@ def _print_results(result: Any) -> None:
         detail = row.summary()[:160]
         if row.expected_failure:
             detail = f"expected failure: {row.expected_failure}" + (f"; {detail}" if detail else "")
-        table.add_row(row.backend, row.op, row.case.split("/", 1)[1], _outcome_label(row),
+        table.add_row(_escape(row.backend), _escape(row.op), _escape(row.case.split("/", 1)[1]), _outcome_label(row),
                       f"{max(errs):.2e}" if errs else "-", f"{max(coss):.1e}" if coss else "-",
-                      f"{row.seconds:.2f}", detail[:200])
+                      f"{row.seconds:.2f}", _escape(detail[:200]))
     console.print(table)
     counts = {**result.counts(), **{k: v for k, v in expectation_counts(result.rows).items() if v}}
     color = "green" if result.passed else "red"
@@ -200,14 +203,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dsv4.conformance.cases import default_cases, select_cases
     from dsv4.conformance.report import build_report, write_json, write_junit
     from dsv4.conformance.runner import run_differential, run_suite
-    from dsv4.conformance.usage import check_backend_names, check_cases_selected, check_device, check_ops
+    from dsv4.conformance.usage import (
+        check_backend_names,
+        check_cases_selected,
+        check_device,
+        check_keyword,
+        check_ops,
+        check_output_path,
+    )
     from rich.progress import Progress
 
     every_case = default_cases()
     check_ops(args.op, sorted({c.op for c in every_case}))
+    check_keyword(args.keyword)
     cases = select_cases(every_case, args.op, args.keyword)
     check_cases_selected(cases, args.op, args.keyword)
     check_device(args.device)
+    check_output_path("--json", args.json_path)
+    check_output_path("--junit", args.junit_path)
     registry = _registry()
     check_backend_names(registry, args.backend or [])
     if args.differential:
@@ -218,19 +231,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         task = bar.add_task("conformance", total=len(cases) * runs)
 
         def progress(backend: str, case_id: str, outcome: str) -> None:
-            bar.update(task, advance=1, description=f"{backend} {case_id}")
+            bar.update(task, advance=1, description=_escape(f"{backend} {case_id}"))
 
         if args.differential:
             result = run_differential(*args.differential, cases=cases, seed=args.seed, device=args.device,
                                       registry=registry, progress=progress)
         else:
             result = run_suite(backends, cases, device=args.device, registry=registry, progress=progress)
-    _print_results(result)
-    report = build_report(result)
+    report = build_report(result)  # written before anything is printed: a console problem cannot lose them
     if args.json_path:
         write_json(report, args.json_path)
     if args.junit_path:
         write_junit(report, args.junit_path)
+    _print_results(result)
     nothing = _nothing_ran(result)
     if nothing:
         print(f"dsv4-conformance: {nothing}", file=sys.stderr)
@@ -239,17 +252,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
-    from dsv4.conformance.golden import regenerate
+    from dsv4.conformance.golden import GOLDEN_DIR, GoldenStore, regenerate
+    from dsv4.conformance.usage import check_directory
 
+    directory = GOLDEN_DIR if args.golden_dir is None else Path(args.golden_dir)
+    check_directory("--dir", directory, writable=args.regenerate)
     console = _console()
     if args.regenerate:
-        manifest = regenerate()
+        manifest = regenerate(directory)
         size = sum(f["bytes"] for f in manifest["files"].values())
         console.print(f"wrote {len(manifest['cases'])} goldens in {len(manifest['files'])} files ({size} bytes)")
         return 0
     from dsv4.conformance.golden_verify import verify_goldens
 
-    verdicts = verify_goldens(progress=lambda v: console.print(_golden_line(v, args.tolerance)))
+    verdicts = verify_goldens(GoldenStore(directory),
+                              progress=lambda v: console.print(_golden_line(v, args.tolerance)))
     not_exact = sum(not v.bit_exact for v in verdicts)
     outside = sum(not v.within_tolerance for v in verdicts)
     bad = outside if args.tolerance else not_exact
@@ -261,9 +278,9 @@ def cmd_golden(args: argparse.Namespace) -> int:
 
 def _golden_line(verdict: Any, tolerance: bool) -> str:
     if verdict.missing:
-        return f"[red]{verdict.case}: not compared: {verdict.missing}[/]"
+        return f"[red]{_escape(verdict.case)}: not compared: {_escape(verdict.missing)}[/]"
     if verdict.bit_exact:
-        return f"[green]{verdict.case}: bit-exact[/]"
+        return f"[green]{_escape(verdict.case)}: bit-exact[/]"
     parts = []
     for o in verdict.outputs:
         if o.bit_exact:
@@ -273,7 +290,7 @@ def _golden_line(verdict: Any, tolerance: bool) -> str:
         parts.append(f"{o.name} differs (max abs diff {diff}; {judged} the suite's tolerance"
                      + (f"; {o.reason}" if o.reason else "") + ")")
     color = "yellow" if tolerance and verdict.within_tolerance else "red"
-    return f"[{color}]{verdict.case}: not bit-exact: {'; '.join(parts)}[/]"
+    return f"[{color}]{_escape(verdict.case)}: not bit-exact: {_escape('; '.join(parts))}[/]"
 
 
 def cmd_layer_golden(args: argparse.Namespace) -> int:
@@ -283,6 +300,7 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
         check_backend_names,
         check_device,
         check_existing_file,
+        check_output_path,
         check_positive,
     )
     from dsv4.specs.errors import DSV4ValueError
@@ -292,6 +310,8 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
     check_positive("--cp", args.cp)
     check_existing_file("FILE", args.file)
     check_device(args.device)
+    check_output_path("--json", args.json_path)
+    check_output_path("--save-outputs", args.save_outputs)
     try:
         backend = parse_backends(args.backend)
     except DSV4ValueError as exc:
@@ -313,7 +333,7 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
     layout = f", tp {result.tp} x cp {result.cp} over {result.dist_backend}" if hasattr(result, "tp") else ""
-    table = Table(title=f"layer golden {args.file} (backend {result.backend}, device {result.device}{layout})")
+    table = Table(title=_escape(f"layer golden {args.file} (backend {result.backend}, device {result.device}{layout})"))
     columns = ("layer_id", "kind", "rows", "min_cosine", "mean_cosine", "fraction_ge_0999", "passed")
     if hasattr(result, "tp"):
         columns = (*columns[:-1], "ranks_identical", "passed")
@@ -323,12 +343,12 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
         cells = []
         for column in columns:
             value = row.get(column, row.get(column.replace("fraction_ge_0999", "fraction_at_least_0999"), "-"))
-            cells.append(f"{value:.6f}" if isinstance(value, float) else str(value))
+            cells.append(f"{value:.6f}" if isinstance(value, float) else _escape(value))
         table.add_row(*cells)
     console = _console()
     console.print(table)
     for op, names in sorted(getattr(result, "backends_used", {}).items()):
-        console.print(f"  {op}: {', '.join(names)}")
+        console.print(_escape(f"  {op}: {', '.join(names)}"))
     console.print("[green]passed[/]" if result.passed else "[red]failed[/]")
     return 0 if result.passed else 1
 
@@ -339,9 +359,9 @@ def cmd_make_layer_golden(args: argparse.Namespace) -> int:
 
     path = make_layer_golden(args.file, preset=args.preset, seed=args.seed, numerics=args.numerics)
     ratios = list(ModelConfig.preset(args.preset).compress_ratios)
-    _console().print(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(ratios)} layers "
-                     f"(ratios {ratios}), {sum(n for _, n in DEFAULT_STEPS)} tokens in {len(DEFAULT_STEPS)} "
-                     "steps, outputs of the reference backend")
+    _console().print(_escape(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(ratios)} layers "
+                             f"(ratios {ratios}), {sum(n for _, n in DEFAULT_STEPS)} tokens in "
+                             f"{len(DEFAULT_STEPS)} steps, outputs of the reference backend"))
     return 0
 
 
@@ -369,8 +389,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1, default=str))
         return 0
     console = _console()
-    table = Table(title=f"KV memory for one request of {args.context} tokens "
-                        f"({report['profile']}, {report['geometry']} geometry)")
+    table = Table(title=_escape(f"KV memory for one request of {args.context} tokens "
+                                f"({report['profile']}, {report['geometry']} geometry)"))
     for column in ("layer kind", "ratio", "layers", "bytes/token/layer", "bytes"):
         table.add_column(column, justify="right")
     for kind, info in report["layer_kinds"].items():

@@ -22,14 +22,16 @@ import torch
 from dsv4.conformance.cases import Case, Prepared, default_cases, prepare
 from dsv4.conformance.golden import GoldenIntegrityError, GoldenStore, expected_outputs
 
-__all__ = ["CaseVerdict", "OutputVerdict", "bit_exact", "max_abs_diff", "verify_goldens"]
+__all__ = ["STALE", "CaseVerdict", "OutputVerdict", "bit_exact", "max_abs_diff", "verify_goldens"]
+
+STALE = "stale manifest entry: no such case in default_cases() (run golden --regenerate)"
 
 
 @dataclass
 class OutputVerdict:
     """One output of one case: ``bit_exact`` (same dtype, shape and bytes), ``max_abs_diff``
     (NaN where only one side is NaN; None when shapes differ) and ``within_tolerance`` (the suite's
-    rule, ``None`` where it does not judge this output)."""
+    rule, ``None`` where it does not judge this output; False when dtype or shape differ)."""
 
     name: str
     bit_exact: bool
@@ -107,23 +109,36 @@ def verify_case(store: GoldenStore, case: Case, reference: Any,
                                    if stored[name].dtype != fresh[name].dtype else
                                    f"shape {tuple(stored[name].shape)} vs fresh {tuple(fresh[name].shape)}"
                                    if stored[name].shape != fresh[name].shape else m.get("reason", ""))
-        verdict.outputs.append(OutputVerdict(name, exact, max_abs_diff(fresh[name], stored[name]), m.get("passed"),
-                                             reason))
+        same_kind = fresh[name].dtype == stored[name].dtype and fresh[name].shape == stored[name].shape
+        # a stored tensor of another dtype or shape is a different golden, whatever its values
+        within = m.get("passed") if same_kind else False
+        verdict.outputs.append(OutputVerdict(name, exact, max_abs_diff(fresh[name], stored[name]), within, reason))
     return verdict
 
 
 def verify_goldens(store: GoldenStore | None = None, cases: Sequence[Case] | None = None,
                    progress: Callable[[CaseVerdict], None] | None = None) -> list[CaseVerdict]:
-    """Every case's stored golden against a fresh reference run (after the files' sha256 check)."""
+    """Every case's stored golden against a fresh reference run (after the files' sha256 check).
+
+    With ``cases`` None (every default case), each manifest entry naming no current case is a
+    :data:`STALE` verdict (neither bit-exact nor within tolerance)."""
     from dsv4.backends.reference import ReferenceBackend
 
     store = GoldenStore() if store is None else store
     store.verify_files()
     reference, compare = ReferenceBackend(), _compare_outputs()
     verdicts = []
-    for case in default_cases() if cases is None else cases:
-        verdict = verify_case(store, case, reference, compare)
-        verdicts.append(verdict)
+    every = cases is None
+    cases = default_cases() if cases is None else cases
+    for case in cases:
+        verdicts.append(verify_case(store, case, reference, compare))
         if progress is not None:
-            progress(verdict)
+            progress(verdicts[-1])
+    if every:  # a manifest entry for a case that no longer exists is a store out of date
+        assert store.manifest is not None
+        known = {case.id for case in cases}
+        for case_id in sorted(set(store.manifest["cases"]) - known):
+            verdicts.append(CaseVerdict(case_id, missing=STALE))
+            if progress is not None:
+                progress(verdicts[-1])
     return verdicts

@@ -122,19 +122,62 @@ def _check_tensors(name: str, meta: dict, tensors: dict[str, torch.Tensor]) -> N
     if list(x.shape) != expected:
         raise LayerGoldenError.of(f"{name}: tensor 'input'", f"shape {expected} (batch, tokens, hidden_size)",
                                   list(x.shape))
-    covered = 0
-    for step in meta["steps"]:
-        if not isinstance(step, dict) or not all(isinstance(step.get(k), int) for k in ("start_pos", "length")):
-            raise LayerGoldenError.of(f"{name}: steps", "{start_pos: int, length: int} objects", repr(step)[:200])
-        covered += step["length"]
+    covered = _check_steps(name, meta["steps"])
     if covered != x.shape[1]:
         raise LayerGoldenError.of(f"{name}: steps", f"lengths summing to the input's {x.shape[1]} tokens", covered)
+    _check_layers(name, meta["layers"], meta["hf_config"])
     for spec in meta["layers"]:
-        key = f"output.{spec.get('layer_id') if isinstance(spec, dict) else spec}"
+        key = f"output.{spec['layer_id']}"
         out = tensors.get(key)
         if out is None or list(out.shape) != expected:
             raise LayerGoldenError.of(f"{name}: tensor {key!r}", f"shape {expected} (the input's)",
                                       "none" if out is None else list(out.shape))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_steps(name: str, steps: list) -> int:
+    """SPEC §14 steps: ``{kind: prefill|decode, start_pos, length >= 1}``, each starting where the last
+    ended; returns the tokens they cover."""
+    covered = 0
+    for i, step in enumerate(steps):
+        where = f"{name}: steps[{i}]"
+        if not isinstance(step, dict) or not all(_is_int(step.get(k)) for k in ("start_pos", "length")):
+            raise LayerGoldenError.of(where, "a {kind, start_pos: int, length: int} object", repr(step)[:200])
+        if step.get("kind") not in ("prefill", "decode"):
+            raise LayerGoldenError.of(f"{where}.kind", "'prefill' or 'decode'", repr(step.get("kind")))
+        if step["length"] < 1:
+            raise LayerGoldenError.of(f"{where}.length", "an int >= 1", step["length"])
+        if step["start_pos"] != covered:
+            raise LayerGoldenError.of(f"{where}.start_pos", f"{covered} (the previous steps' total length)",
+                                      step["start_pos"])
+        covered += step["length"]
+    return covered
+
+
+def _check_layers(name: str, layers: list, hf_config: dict) -> None:
+    """SPEC §14 layers: distinct ``{layer_id, compress_ratio}`` objects agreeing with ``hf_config``."""
+    try:
+        cfg = ModelConfig.from_hf_config(hf_config)
+    except DSV4ValueError as exc:
+        raise LayerGoldenError.of(f"{name}: hf_config", "a valid config (SPEC §1)", " ".join(str(exc).split())) \
+            from None
+    seen: set[int] = set()
+    for i, spec in enumerate(layers):
+        where = f"{name}: layers[{i}]"
+        if not isinstance(spec, dict) or not _is_int(spec.get("layer_id")):
+            raise LayerGoldenError.of(where, "a {layer_id: int, compress_ratio: int} object", repr(spec)[:200])
+        layer_id = spec["layer_id"]
+        if not 0 <= layer_id < cfg.num_layers_total or layer_id in seen:
+            raise LayerGoldenError.of(f"{where}.layer_id", f"a distinct int in [0, {cfg.num_layers_total})",
+                                      layer_id)
+        seen.add(layer_id)
+        ratio = spec.get("compress_ratio", cfg.compress_ratio(layer_id))
+        if not _is_int(ratio) or max(1, ratio) != cfg.compress_ratio(layer_id):
+            raise LayerGoldenError.of(f"{where}.compress_ratio", f"{cfg.compress_ratio(layer_id)} (hf_config "
+                                      f"compress_ratios[{layer_id}])", repr(ratio))
 
 
 def load_layer_weights(attn: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str, name: str) -> None:

@@ -1,15 +1,18 @@
-"""pytest integration: ``pytest -p dsv4.conformance.pytest_plugin --dsv4-backend NAME`` runs the suite.
+"""pytest integration: ``pytest --dsv4-backend NAME [--dsv4-device DEV]`` runs the suite.
 
 Every (backend, case) becomes one test item whose node id is ``dsv4-conformance::<backend>::<case id>``
 (marker ``dsv4_conformance``; select with ``-m dsv4_conformance`` or ``-k``). An unknown
-``--dsv4-backend`` name is a usage error (exit 4) naming the registered backends. Outcomes map to pytest's:
+``--dsv4-backend`` name, or a ``--dsv4-device`` that is malformed or absent from this machine, is a
+usage error (exit 4); a backend named twice runs once. Outcomes map to pytest's:
 ``failed`` -> failure (message names the op, output and where), ``error`` -> error,
 ``unsupported`` / ``skipped`` -> skip with the backend's reasons. Cases listed in the backend's
 ``expected_failures`` (glob -> reason, kept with the backend) are marked xfail; an entry that
 matches no case raises a warning so the list does not rot.
 
-Registered for plain ``pytest --dsv4-backend NAME`` through a ``pytest11`` entry point
-(``dsv4 = "dsv4.conformance.pytest_plugin"``) when the distribution declares one.
+The plugin is registered through the ``pytest11`` entry point ``dsv4`` (pyproject.toml), so an
+installed dsv4 needs no ``-p``: ``-p dsv4.conformance.pytest_plugin`` would register it a second time
+and fail; ``-p dsv4`` (the entry point's name) is harmless. As in ``dsv4-conformance``, a machine
+without a GPU runs the Triton backend under the interpreter (``TRITON_INTERPRET=1``, unless set).
 """
 from __future__ import annotations
 
@@ -33,6 +36,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "dsv4_conformance: a dsv4 conformance case (SPEC §13)")
+    if not config.getoption("--dsv4-backend"):
+        return
+    from dsv4.conformance.usage import UsageError, check_device, interpret_triton_without_gpu
+
+    try:
+        check_device(config.getoption("--dsv4-device"), argument="--dsv4-device")
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    interpret_triton_without_gpu()  # before the registry imports any kernel module
 
 
 class ConformanceCollector(pytest.Collector):
@@ -76,7 +88,7 @@ class ConformanceItem(pytest.Item):
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    backends = config.getoption("--dsv4-backend")
+    backends = list(dict.fromkeys(config.getoption("--dsv4-backend")))  # each once, in order
     if not backends:
         return
     from dsv4.conformance.cases import default_cases

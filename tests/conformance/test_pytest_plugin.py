@@ -1,0 +1,43 @@
+"""The pytest plugin (registered by the ``pytest11`` entry point ``dsv4``): the documented invocation
+works, a backend named twice runs once, a bad device is a usage error, Triton interprets without a GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dsv4.conformance import pytest_plugin
+from dsv4.conformance.cases import default_cases
+
+pytest_plugins = ["pytester"]
+
+
+def _collected(pytester, *args: str) -> list[str]:
+    recorder = pytester.inline_run("--collect-only", *args)
+    (call,) = recorder.getcalls("pytest_collection_finish")
+    return [item.nodeid for item in call.session.items]
+
+
+def test_docstring_shows_an_invocation_that_works(pytester):
+    doc = pytest_plugin.__doc__
+    assert "pytest --dsv4-backend NAME" in doc and "``pytest -p dsv4.conformance.pytest_plugin" not in doc
+    assert len(_collected(pytester, "-p", "dsv4", "--dsv4-backend", "reference")) == len(default_cases())
+
+
+def test_a_backend_named_twice_runs_once(pytester):
+    ids = _collected(pytester, "--dsv4-backend", "reference", "--dsv4-backend", "reference")
+    assert len(ids) == len(set(ids)) == len(default_cases())
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:99", *(["cuda"] if not torch.cuda.is_available() else [])])
+def test_a_bad_device_is_a_usage_error(device, pytester):
+    result = pytester.runpytest("--dsv4-backend", "reference", "--dsv4-device", device)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--dsv4-device: expected*got '{device}'*"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU: Triton compiles")
+def test_triton_is_interpreted_without_a_gpu(pytester, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytester.runpytest("--dsv4-backend", "triton", "--collect-only")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
