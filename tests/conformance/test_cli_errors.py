@@ -6,21 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _cli_helpers import cli_registry
+from _cli_helpers import one_line_error as _one_line_error
 from dsv4.backends.reference import ReferenceBackend
-from dsv4.conformance import cli
 from dsv4.conformance.cli import main
 from dsv4.conformance.layer_golden import make_layer_golden
-from dsv4.registry import Registry
 from safetensors.torch import load_file, save_file
-
-
-def _one_line_error(capsys, *words: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith("dsv4-conformance: "), err
-    for word in words:
-        assert word in err, (word, err)
-    return err
 
 
 @pytest.mark.parametrize(("argv", "words"), [
@@ -67,11 +58,7 @@ class NoIndexerQ(ReferenceBackend):
 
 @pytest.fixture
 def registry(monkeypatch):
-    registry = Registry()
-    for backend in (ReferenceBackend(), Unavailable(), NoIndexerQ()):
-        registry.register_backend(backend)
-    monkeypatch.setattr(cli, "_registry", lambda: registry)
-    return registry
+    return cli_registry(monkeypatch, Unavailable(), NoIndexerQ())
 
 
 def test_nothing_ran_is_not_a_pass(registry, tmp_path, capsys):

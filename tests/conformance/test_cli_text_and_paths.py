@@ -9,24 +9,18 @@ from typing import ClassVar
 
 import pytest
 import torch
+from _cli_helpers import cli_registry
+from _cli_helpers import one_line_error as _one_line_error
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance import cli
 from dsv4.conformance.cli import main
 from dsv4.conformance.golden_verify import CaseVerdict, OutputVerdict
 from dsv4.conformance.layer_golden import make_layer_golden
-from dsv4.registry import Registry
 from rich.console import Console
 
 MARKUP = "expected [batch, tokens] got [/x] [/] [bold]"
 
 
-def _one_line_error(capsys, *words: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith("dsv4-conformance: "), err
-    for word in words:
-        assert word in err, (word, err)
-    return err
 
 
 class Bracketed(ReferenceBackend):
@@ -48,11 +42,7 @@ class BracketedUnavailable(ReferenceBackend):
 
 @pytest.fixture
 def registry(monkeypatch):
-    registry = Registry()
-    for backend in (ReferenceBackend(), Bracketed(), BracketedUnavailable()):
-        registry.register_backend(backend)
-    monkeypatch.setattr(cli, "_registry", lambda: registry)
-    return registry
+    return cli_registry(monkeypatch, Bracketed(), BracketedUnavailable())
 
 
 def _rendered(markup: str) -> str:
