@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 # kept under its old name: tests/conftest.py arranges the interpreter exactly as the CLI does
-from dsv4.conformance.usage import interpret_triton_without_gpu as _interpret_triton_without_gpu
 
 __all__ = ["build_parser", "main"]
 
@@ -413,8 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
     args = build_parser().parse_args(argv)
-    _interpret_triton_without_gpu()
-    from dsv4.conformance.usage import UsageError
+    from dsv4.conformance.usage import UsageError, interpret_triton_without_gpu
+
+    interpret_triton_without_gpu()
     from dsv4.registry import PluginLoadError
     from dsv4.specs.errors import DSV4Error
 

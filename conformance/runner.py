@@ -36,6 +36,7 @@ from dsv4.conformance.tolerances import tolerance_for
 from dsv4.ops.dispatch import arch_of
 from dsv4.ops.library import request_fields
 from dsv4.registry import Registry, get_registry
+from dsv4.specs.layer_kinds import LayerKind
 
 __all__ = [
     "OUTCOMES",
@@ -108,7 +109,7 @@ class SuiteResult:
 
 def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
     args, kwargs = prepared.steps[0]
-    hints = {"extra_kind": {"swa": "none", "csa": "topk", "hca": "dense"}[prepared.case.kind]}
+    hints = {"extra_kind": LayerKind(prepared.case.kind).compressed_list}
     fields = request_fields(prepared.case.op, args, kwargs, hints if prepared.case.op == "sparse_attention" else None)
     return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
 
@@ -124,6 +125,12 @@ def expected_failure_for(backend: Backend, case_id: str) -> str | None:
 def unmatched_expected_failures(backend: Backend, cases: Sequence[Case]) -> list[str]:
     """Patterns of ``backend.expected_failures`` that match no case (stale entries)."""
     return [p for p in backend.expected_failures if not any(fnmatch.fnmatchcase(c.id, p) for c in cases)]
+
+
+def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict[str, Any]:
+    """The failing metric of an output whose dtype is not the op's contract (ARCHITECTURE §3)."""
+    return {"passed": False, "reason": f"{who + ': ' if who else ''}dtype {output.dtype}, expected {want} "
+                                      "(ARCHITECTURE §3)"}
 
 
 def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
@@ -145,8 +152,7 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
             metrics[name] = {"passed": False, "reason": "output missing"}
             continue
         if name in contract and actual[name].dtype != contract[name]:
-            metrics[name] = {"passed": False, "reason": f"dtype {actual[name].dtype}, expected {contract[name]} "
-                                                        "(ARCHITECTURE §3)"}
+            metrics[name] = _wrong_dtype(actual[name], contract[name])
             continue
         if tol.kind == "topk":
             args, _ = prepared.steps[0]
@@ -293,11 +299,9 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
-                contract = returned_dtypes(run_a)  # B's dtypes are checked above; A's here
-                for name, want in contract.items():
+                for name, want in returned_dtypes(run_a).items():  # B's dtypes are checked above; A's here
                     if name in out_a and out_a[name].dtype != want:
-                        row.metrics[f"{name}_{backend_a}"] = {
-                            "passed": False, "reason": f"{backend_a}: dtype {out_a[name].dtype}, expected {want}"}
+                        row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule
                     row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
                 row.outcome = _outcome(row.metrics)

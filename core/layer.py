@@ -182,6 +182,7 @@ class Attention(nn.Module):
         self.profile = get_profile(profile).name
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
         self.backends = validate_backends(backends, OP_NAMES)
+        self._request_fields_memo: dict = {}  # layer_checks.resolve_backends: fields by (device, dtype, ...)
         H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         if H % cfg.o_groups:
             raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)
@@ -364,8 +365,7 @@ class Attention(nn.Module):
         o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
                                        extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
                                        softmax_scale=D ** -0.5, profile=self.profile,
-                                       extra_kind=("topk" if self.kind.has_indexer else
-                                                   "dense" if self.kind.has_compressor else "none"),
+                                       extra_kind=self.kind.compressed_list,
                                        backend=be["sparse_attention"])
         return ops.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
                                      fp8_activations=self.fp8_output, backend=be["output_projection"])

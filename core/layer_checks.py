@@ -116,7 +116,7 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
     hca_width = (md.ratios[attn.kind.ratio].hca_indices.shape[1]
                  if attends and attn.compressor is not None and attn.indexer is None else None)
     key = (x.device, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width)
-    memo = attn.__dict__.setdefault("_request_fields_memo", {})
+    memo = attn._request_fields_memo
     if key not in memo:  # the fields depend on nothing else: build them once (the registry caches selections)
         memo[key] = _request_fields_of_forward(attn, x, cache, attends, hca_width)
     for op, fields in memo[key]:
@@ -140,12 +140,9 @@ def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVC
             calls.append(("indexer_q", (iq,), {"profile": profile}, None))
             calls.append(("indexer_topk", (iq,), {"key_format": key_format, "topk": cfg.index_topk}, None))
     if attends:
-        if attn.indexer is not None:
-            extra, kind = _meta((0, cfg.index_topk), torch.int32), "topk"
-        elif attn.compressor is not None:
-            extra, kind = _meta((0, hca_width), torch.int32), "dense"
-        else:
-            extra, kind = None, "none"
+        kind = attn.kind.compressed_list
+        width = {"topk": cfg.index_topk, "dense": hca_width}.get(kind)
+        extra = None if width is None else _meta((0, width), torch.int32)
         q = _meta((0, H, D), dtype)
         calls.append(("sparse_attention", (q, None, None, None, None, extra),
                       {"kv_format": cache.kv_format, "profile": profile}, {"extra_kind": kind}))

@@ -40,6 +40,12 @@ class LayerKind(str, Enum):
         """Whether the layer runs the Lightning Indexer of SPEC §6 (CSA only)."""
         return self is LayerKind.CSA
 
+    @property
+    def compressed_list(self) -> str:
+        """What attention's compressed list is (SPEC §2): ``"topk"`` (CSA: the indexer's picks), ``"dense"``
+        (HCA: every visible compressed entry) or ``"none"`` (SWA-only)."""
+        return {LayerKind.SWA: "none", LayerKind.HCA: "dense", LayerKind.CSA: "topk"}[self]
+
     @classmethod
     def from_ratio(cls, ratio: int) -> LayerKind:
         """Kind of a layer with compress ratio ``ratio``; 0 and 1 both mean SWA-only (SPEC §1)."""

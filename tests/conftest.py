@@ -3,6 +3,6 @@ interpreter, arranged here exactly as ``dsv4-conformance`` arranges it for itsel
 kernel module (their constants read TRITON_INTERPRET at import), so every subset of the suite sees one mode."""
 from __future__ import annotations
 
-from dsv4.conformance.cli import _interpret_triton_without_gpu
+from dsv4.conformance.usage import interpret_triton_without_gpu
 
-_interpret_triton_without_gpu()
+interpret_triton_without_gpu()

@@ -4,7 +4,7 @@ AITER's own signature (ROCm/aiter, not vLLM's ``rocm_aiter_ops.triton_sparse_mla
 positional order differs: research vendor_backends.md §2.2):
 ``sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, *, out=None, attn_sink=None,
 has_invalid=False, extra_kv=None, extra_indptr=None, extra_indices=None, return_lse=False, ...)
--> (out, lse)``. The cache format is inferred from ``kv_buffer``: a 3-D ``[nb, block, 584]`` uint8 view is
+-> (out, lse)``. The cache format is inferred from ``kv_buffer``: a 3-D ``[nb, block, token_bytes]`` uint8 view (fp8_ds_mla's record, ``dsv4.specs.formats``) is
 DeepSeek-V4's fp8_ds_mla (AITER's ``fp8_dsv4_mla``), which it routes to its gfx950 SWA + top-k two-loop.
 ``return_lse`` is not served for that format, so the result's ``lse`` is NaN.
 """

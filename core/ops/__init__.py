@@ -29,7 +29,6 @@ import torch
 from dsv4.backend import OP_NAMES, Backend
 from dsv4.ops import library
 from dsv4.ops.dispatch import backend_name
-from dsv4.ops.library import EXTRA_KINDS
 from dsv4.ops.validate import (
     FLOATS,
     cache_capacity,
@@ -200,8 +199,6 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     ``extra_kind`` says what the extra list is, for backend selection only (kernels that take an indexer
     top-k of fixed widths but any HCA list): ``"topk"`` (CSA, the indexer's picks), ``"dense"`` (HCA, every
     visible compressed entry), ``"none"`` (no extra list) or ``"unknown"``. The layer always sets it."""
-    if extra_kind not in EXTRA_KINDS:
-        raise DSV4ValueError.of("extra_kind", f"one of {', '.join(EXTRA_KINDS)}", extra_kind)
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
     num_tokens, heads = q.shape[0], q.shape[1]
@@ -217,9 +214,6 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     check_dtype("sink", sink, torch.float32, torch.float64)
     if tuple(sink.shape) != (heads,):
         raise DSV4ValueError.of("sink", f"shape ({heads},)", f"shape {tuple(sink.shape)}")
-    if (extra_kind == "none") != (extra_indices is None) and extra_kind != "unknown":
-        raise DSV4ValueError.of("extra_kind", "'none' exactly when there is no extra list",
-                                f"{extra_kind!r} with extra_indices {'None' if extra_indices is None else 'given'}")
     if value_checks_enabled(q):
         check_indices("swa_indices", swa_indices, swa_lens, cache_capacity(kv_format, swa_cache))
         if extra_indices is not None:

@@ -14,11 +14,21 @@ from dsv4.ops.dispatch import resolve
 from dsv4.specs.errors import DSV4ValueError
 from torch import Tensor
 
-__all__ = ["CUSTOM_OPS", "EXTRA_KINDS", "request_fields", "run_backend"]
+__all__ = ["CUSTOM_OPS", "EXTRA_KINDS", "check_extra_kind", "request_fields", "run_backend"]
 
 
 # what sparse_attention's extra list is (selection hint: dsv4.ops.sparse_attention's docstring)
 EXTRA_KINDS = ("topk", "dense", "none", "unknown")
+
+
+def check_extra_kind(kind: str, has_extra: bool) -> None:
+    """``kind`` is one of ``EXTRA_KINDS`` and ``"none"`` exactly when there is no extra list. Checked in
+    ``request_fields``, which every path to a backend takes (``dsv4.ops`` and ``torch.ops.dsv4``)."""
+    if kind not in EXTRA_KINDS:
+        raise DSV4ValueError.of("extra_kind", f"one of {', '.join(EXTRA_KINDS)}", kind)
+    if kind != "unknown" and (kind == "none") == has_extra:
+        raise DSV4ValueError.of("extra_kind", "'none' exactly when there is no extra list",
+                                f"{kind!r} with extra_indices {'given' if has_extra else 'None'}")
 
 
 def request_fields(op: str, args: tuple, kwargs: dict, hints: dict | None = None) -> dict:
@@ -40,8 +50,7 @@ def request_fields(op: str, args: tuple, kwargs: dict, hints: dict | None = None
     if op == "sparse_attention":
         q, extra_indices = args[0], args[5]
         kind = (hints or {}).get("extra_kind", "unknown")
-        if kind not in EXTRA_KINDS:  # the custom op is public too (torch.ops.dsv4.sparse_attention)
-            raise DSV4ValueError.of("extra_kind", f"one of {', '.join(EXTRA_KINDS)}", kind)
+        check_extra_kind(kind, extra_indices is not None)
         return {"dtype": q.dtype, "kv_format": kwargs["kv_format"], "heads": q.shape[1],
                 "topk": None if extra_indices is None else extra_indices.shape[1],
                 "has_sink": True, "profile": kwargs["profile"],

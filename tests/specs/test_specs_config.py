@@ -134,3 +134,12 @@ def test_rope_scaling_without_type_is_yarn():
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf_config({**hf, "rope_scaling": [16, 65536]})
     assert info.value.argument == "rope_scaling"
+
+
+def test_layer_kind_names_its_compressed_list():
+    """What attention's compressed list is, per kind (SPEC §2): the indexer's top-k (CSA), every visible
+    compressed entry (HCA), none (SWA-only). Backend selection reads it (sparse_attention's extra_kind)."""
+    from dsv4.specs.layer_kinds import LayerKind
+
+    assert {k: k.compressed_list for k in LayerKind} == {LayerKind.SWA: "none", LayerKind.HCA: "dense",
+                                                        LayerKind.CSA: "topk"}

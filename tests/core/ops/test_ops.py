@@ -8,6 +8,7 @@ from dsv4.backend import OP_NAMES
 from dsv4.conformance.cases import Case, clone_prepared, default_cases, prepare
 from dsv4.ops.library import CUSTOM_OPS
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.layer_kinds import LayerKind
 
 # one small case per op (cache-writing ops included), inputs fresh from the case seeds
 _CASES = {c.op: c for c in reversed(default_cases()) if c.variant != "wide"}
@@ -17,7 +18,8 @@ _CASES = {c.op: c for c in reversed(default_cases()) if c.variant != "wide"}
 def test_opcheck(op):
     prepared = prepare(_CASES[op])
     args, kwargs = prepared.steps[0]
-    hints = ("topk",) if op == "sparse_attention" else ()  # selection-only arguments of the schema
+    # selection-only arguments of the schema: what the case's layer kind makes the extra list
+    hints = (LayerKind(_CASES[op].kind).compressed_list,) if op == "sparse_attention" else ()
     torch.library.opcheck(CUSTOM_OPS[op], (*args, *kwargs.values(), *hints, "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -102,3 +104,5 @@ def test_custom_op_extra_kind_defaults_and_is_checked():
     assert out.shape == args[0].shape and lse.shape == args[0].shape[:2]
     with pytest.raises(DSV4ValueError, match="extra_kind: expected one of topk, dense, none, unknown, got bogus"):
         torch.ops.dsv4.sparse_attention(*args, **kwargs, extra_kind="bogus", backend="reference")
+    with pytest.raises(DSV4ValueError, match="extra_kind: expected 'none' exactly when there is no extra list"):
+        torch.ops.dsv4.sparse_attention(*args, **kwargs, extra_kind="none", backend="reference")
