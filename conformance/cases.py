@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dsv4.conformance.placement import CachePages
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -81,7 +82,9 @@ class Prepared:
     steps: ``(args, kwargs)`` per op call, in order. returns: names of the op's return values
     (concatenated over steps along dim 0). caches: output name -> (argument index, format name)
     of the caches the op writes (the same tensor object in every step). check: extra data the
-    comparison needs (top-k: positions, token_request, keys).
+    comparison needs (top-k: positions, token_request, keys). pages: argument index -> how the
+    arguments address that paged cache (``placement.place_far`` moves them). leading: argument index
+    -> pages before the case's own, dropped when a written cache is read back (far placement).
     """
 
     case: Case
@@ -89,6 +92,8 @@ class Prepared:
     returns: tuple[str, ...] = ()
     caches: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
+    pages: dict[int, CachePages] = field(default_factory=dict)
+    leading: dict[int, int] = field(default_factory=dict)
 
 
 def _config(name: str):
@@ -151,7 +156,8 @@ def _qnorm_rope_insert(case: Case, g: torch.Generator) -> Prepared:
     args = (q, kv, positions, _cos_sin(cfg, case.kind), cache, slots)
     profile = "deepseek" if case.profile == "-" else case.profile  # SPEC §6.6: q-norm rounding points
     return Prepared(case, [(args, {"kv_format": case.cache_format, "eps": cfg.rms_norm_eps, "profile": profile})],
-                    returns=("q_out",), caches={"swa_cache": (4, case.cache_format)})
+                    returns=("q_out",), caches={"swa_cache": (4, case.cache_format)},
+                    pages={4: CachePages(_BLOCK, slots=(5,))})
 
 
 _COMPRESS_STEPS = {
@@ -207,7 +213,8 @@ def _compress_insert(case: Case, g: torch.Generator) -> Prepared:
         kwargs = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": case.profile,
                   "eps": cfg.rms_norm_eps, "windows_in_call": in_call}
         steps.append((args, kwargs))
-    return Prepared(case, steps, caches={"state_cache": (3, None), "out_cache": (9, out_format)})
+    return Prepared(case, steps, caches={"state_cache": (3, None), "out_cache": (9, out_format)},
+                    pages={3: CachePages(state_block, tables=(4,), slots=(5,)), 9: CachePages(_BLOCK, slots=(10,))})
 
 
 def _indexer_q(case: Case, g: torch.Generator) -> Prepared:
@@ -246,7 +253,8 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
     positions, token_request = torch.tensor(pos, dtype=torch.int64), torch.tensor(req, dtype=torch.int32)
     args = (q, w, positions, token_request, key_cache, table)
     return Prepared(case, [(args, {"topk": topk, "key_format": key_format, "ratio": ratio})], returns=("topk",),
-                    check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK})
+                    check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK},
+                    pages={4: CachePages(_BLOCK, tables=(5,))})
 
 
 def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, holes: bool) -> torch.Tensor:
@@ -292,7 +300,10 @@ def _sparse_attention(case: Case, g: torch.Generator) -> Prepared:
     args = (q, swa_cache, swa_indices, torch.tensor(swa_lens, dtype=torch.int32), extra_cache, extra_indices,
             extra_lens, sink)
     kwargs = {"kv_format": case.cache_format, "softmax_scale": dim ** -0.5, "profile": case.profile}
-    return Prepared(case, [(args, kwargs)], returns=("out", "lse"))
+    pages = {1: CachePages(_BLOCK, slots=(2,))}
+    if extra_cache is not None:
+        pages[4] = CachePages(_BLOCK, slots=(5,))
+    return Prepared(case, [(args, kwargs)], returns=("out", "lse"), pages=pages)
 
 
 def _output_projection(case: Case, g: torch.Generator) -> Prepared:
@@ -423,7 +434,8 @@ def clone_prepared(prepared: Prepared) -> Prepared:
         return x
 
     steps = [(tuple(copy(a) for a in args), dict(kwargs)) for args, kwargs in prepared.steps]
-    return Prepared(prepared.case, steps, prepared.returns, dict(prepared.caches), dict(prepared.check))
+    return Prepared(prepared.case, steps, prepared.returns, dict(prepared.caches), dict(prepared.check),
+                    dict(prepared.pages), dict(prepared.leading))
 
 
 def execute(prepared: Prepared, run: Callable[..., Any]) -> dict[str, torch.Tensor]:
@@ -434,7 +446,7 @@ def execute(prepared: Prepared, run: Callable[..., Any]) -> dict[str, torch.Tens
         parts = [r[i] if isinstance(r, tuple) else r for r in results]
         outputs[name] = torch.cat([p.detach().cpu() for p in parts], 0)
     for name, (index, _fmt) in prepared.caches.items():
-        outputs[name] = prepared.steps[0][0][index].detach().cpu()
+        outputs[name] = prepared.steps[0][0][index][prepared.leading.get(index, 0):].detach().cpu()
     return outputs
 
 

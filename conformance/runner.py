@@ -183,9 +183,25 @@ def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
     return "failed" if any(m.get("passed") is False for m in metrics.values()) else "passed"
 
 
+def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
+                 lse_required: bool) -> dict[str, dict[str, Any]]:
+    """``prepared`` (unwritten CPU inputs) again with its pages placed far on ``device``, compared
+    against the same expected outputs; metrics named ``<output>@far``."""
+    from dsv4.conformance.cases import prepare_to
+    from dsv4.conformance.placement import place_far
+
+    far = place_far(prepare_to(clone_prepared(prepared), device))
+    actual = execute(far, getattr(backend, prepared.case.op))
+    metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
+    return {f"{name}@far": m for name, m in metrics.items()}
+
+
 def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenStore | None,
-             expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] | None = None) -> ResultRow:
-    """Run one case on one backend and compare it."""
+             expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] | None = None,
+             far: bool = True) -> ResultRow:
+    """Run one case on one backend and compare it. With ``far`` a case with paged caches runs a second
+    time with its pages past 4 GiB of each cache (``placement.place_far``), against the same expected
+    outputs; those metrics are named ``<output>@far``."""
     row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
                     expected_failure=expected_failure_for(backend, case.id))
     start = time.perf_counter()
@@ -211,7 +227,10 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
 
             run = prepare_to(run, device)
         actual = execute(run, getattr(backend, case.op))
-        row.metrics = compare_outputs(run, actual, expected, lse_required=_lse_required(backend, case))
+        lse_required = _lse_required(backend, case)
+        row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
+        if far and prepared.pages:
+            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required))
         row.outcome = _outcome(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
@@ -240,8 +259,9 @@ def backend_statuses(registry: Registry) -> dict[str, dict[str, Any]]:
 
 def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | None = None,
               device: str | torch.device = "cpu", registry: Registry | None = None,
-              golden: GoldenStore | None = None, progress: Progress | None = None) -> SuiteResult:
-    """Run ``cases`` (default suite) on ``backends`` (default: every available one)."""
+              golden: GoldenStore | None = None, progress: Progress | None = None, far: bool = True) -> SuiteResult:
+    """Run ``cases`` (default suite) on ``backends`` (default: every available one); ``far``: each case
+    with paged caches also runs with its pages past 4 GiB (``run_case``)."""
     registry = registry or get_registry()
     device = torch.device(device)
     cases = list(default_cases() if cases is None else cases)
@@ -260,7 +280,7 @@ def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | Non
                 row = ResultRow(backend=name, op=case.op, case=case.id, outcome="skipped", reasons=list(probe),
                                 params=case.as_dict())
             else:
-                row = run_case(backend, case, device, golden, expected_cache)
+                row = run_case(backend, case, device, golden, expected_cache, far=far)
             rows.append(row)
             if progress is not None:
                 progress(name, case.id, row.outcome)

@@ -1,0 +1,97 @@
+"""Far placement: the same case with every paged cache's pages moved past 4 GiB of their tensor.
+
+A serving engine allocates one KV pool per layer group for the whole GPU, so the pages a step
+reads sit gigabytes past the pool's base. A kernel that forms a page's address in 32-bit
+arithmetic (``page * page_stride``, ``slot * row_elements``) is right on the small caches of the
+cases and wrong there. :func:`place_far` rebuilds a prepared case so that it tests that: each paged
+cache becomes a larger tensor whose first ``pad`` pages are unused, the case's pages are copied
+behind them, and every block-table entry and slot that addresses the cache moves by ``pad`` pages.
+The op's outputs must not change, and the written caches, read back behind the pad
+(``Prepared.leading``), must equal the near run's.
+
+The pad is chosen so that the case's pages start past 2**31 *elements* of the cache's dtype and
+past 4 GiB (a uint8 page also read through a bf16 view). A 32-bit byte offset of a uint8 cache then
+wraps to the pad's first megabytes: those, and the page just before the case's, are poisoned (NaN),
+so a wrapped read shows as a NaN and a wrapped write lands where no output is read. A 32-bit element
+offset of a bf16 or fp32 cache wraps negative, before the tensor: on a GPU that is an illegal address
+(the run errors), on the CPU a fault. The rest of the pad is left unwritten: on the CPU it is never touched (no memory is committed for it), on a GPU it is
+allocated (the far run of a case holds up to ~12 GiB; ``dsv4-conformance run --near-only`` skips it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+__all__ = ["FAR_MIN_BYTES", "CachePages", "far_pad_blocks", "place_far"]
+
+FAR_MIN_BYTES = 2**32 + 2**20  # 4 GiB + 1 MiB: past any 32-bit byte or bf16-element offset
+_WRAP_POISON_BYTES = 2**22  # a wrapped offset lands within the pad's first MiBs: poison them
+
+
+@dataclass(frozen=True)
+class CachePages:
+    """How an op's arguments address one paged cache argument (SPEC §10).
+
+    block_size: tokens a page (dim 0 of the cache tensor is pages). tables: argument indices of
+    block tables (``int32 [R, pages]``, page numbers, -1 none). slots: argument indices of slot
+    numbers (``page * block_size + offset``, -1 none), int32 or int64, any shape."""
+
+    block_size: int
+    tables: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
+
+
+def far_pad_blocks(cache: torch.Tensor) -> int:
+    """Leading pages to add before ``cache``'s pages: the first case page starts at or past both
+    ``FAR_MIN_BYTES`` and 2**31 elements (+1 MiB) of ``cache.dtype``."""
+    page_bytes = cache[0].numel() * cache.element_size()
+    start = max(FAR_MIN_BYTES, 2**31 * cache.element_size() + 2**20)
+    return -(-start // page_bytes)
+
+
+def _far_cache(cache: torch.Tensor, pad: int) -> torch.Tensor:
+    """``[pad + n, ...]`` of ``cache``'s dtype on its device: ``cache`` copied behind ``pad`` pages."""
+    far = torch.empty((pad + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    page_bytes = cache[0].numel() * cache.element_size()
+    wrapped = min(pad, -(-(_WRAP_POISON_BYTES + cache.shape[0] * page_bytes) // page_bytes))
+    far[:wrapped].view(torch.uint8).fill_(0xFF)  # NaN in every float dtype (cases.poison_)
+    far[pad - 1].view(torch.uint8).fill_(0xFF)
+    far[pad:].copy_(cache)
+    return far
+
+
+def _shift(index: torch.Tensor, by: int) -> torch.Tensor:
+    """``index + by`` where ``index >= 0`` (-1 stays -1), in ``index``'s dtype; int32 must hold it."""
+    if index.dtype == torch.int32 and index.numel() and int(index.max().item()) + by >= 2**31:
+        raise OverflowError(f"a far index does not fit int32 (+{by})")
+    return torch.where(index >= 0, index + by, index)
+
+
+def place_far(prepared: Any) -> Any:
+    """A new ``Prepared`` whose paged caches (``prepared.pages``) sit behind a pad (see the module
+    docstring). The input is not modified; tensors not named in ``pages`` are shared with it.
+    Raises ``ValueError`` on a case without paged caches."""
+    if not prepared.pages:
+        raise ValueError(f"{prepared.case.id}: no paged cache to place far")
+    args0 = prepared.steps[0][0]
+    replaced: dict[int, torch.Tensor] = {}  # id(original tensor) -> its far version, across steps
+    leading: dict[int, int] = {}
+    for cache_index, pages in prepared.pages.items():
+        cache = args0[cache_index]
+        pad = far_pad_blocks(cache)
+        leading[cache_index] = pad
+        replaced[id(cache)] = _far_cache(cache, pad)
+        for _args, _ in prepared.steps:
+            for index in pages.tables:
+                t = _args[index]
+                if id(t) not in replaced:
+                    replaced[id(t)] = _shift(t, pad)
+            for index in pages.slots:
+                t = _args[index]
+                if id(t) not in replaced:
+                    replaced[id(t)] = _shift(t, pad * pages.block_size)
+    steps = [(tuple(replaced.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
+             for args, kwargs in prepared.steps]
+    return replace(prepared, steps=steps, leading=leading)

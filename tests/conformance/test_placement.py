@@ -1,0 +1,134 @@
+"""Far placement (conformance/placement.py): every paged case again with its pages past 4 GiB."""
+from __future__ import annotations
+
+import pytest
+import torch
+from dsv4.backends.reference import ReferenceBackend
+from dsv4.conformance.cases import default_cases, execute, inputs_sha256, prepare, select_cases
+from dsv4.conformance.golden import GoldenStore
+from dsv4.conformance.placement import FAR_MIN_BYTES, CachePages, far_pad_blocks, place_far
+from dsv4.conformance.runner import run_case, run_suite
+from dsv4.registry import Registry
+
+PAGED_OPS = ("qnorm_rope_insert", "compress_insert", "indexer_topk", "sparse_attention")
+
+
+def _one_case_each() -> list:
+    seen, out = set(), []
+    for case in default_cases():
+        key = (case.op, case.cache_format, case.kind)
+        if key not in seen:
+            seen.add(key)
+            out.append(case)
+    return out
+
+
+def test_every_paged_op_names_its_pages_and_only_those():
+    for case in default_cases():
+        prepared = prepare(case)
+        assert bool(prepared.pages) == (case.op in PAGED_OPS), case.id
+        args = prepared.steps[0][0]
+        for index, pages in prepared.pages.items():
+            assert isinstance(args[index], torch.Tensor) and args[index].dim() >= 2, case.id
+            for step_args, _ in prepared.steps:  # every index argument addresses within the cache
+                for t in pages.tables:
+                    assert int(step_args[t].max()) < args[index].shape[0], case.id
+                for s in pages.slots:
+                    assert int(step_args[s].max()) < args[index].shape[0] * pages.block_size, case.id
+        for index, _fmt in prepared.caches.values():  # every written cache is paged
+            assert index in prepared.pages, case.id
+
+
+@pytest.mark.parametrize("case", _one_case_each(), ids=lambda c: c.id)
+def test_place_far_moves_pages_past_the_32_bit_range_and_keeps_the_input(case):
+    prepared = prepare(case)
+    if not prepared.pages:
+        with pytest.raises(ValueError, match="no paged cache"):
+            place_far(prepared)
+        return
+    before = inputs_sha256(prepared)
+    far = place_far(prepared)
+    assert inputs_sha256(prepared) == before  # the near inputs are untouched
+    for index, pages in prepared.pages.items():
+        near_cache, far_cache = prepared.steps[0][0][index], far.steps[0][0][index]
+        pad = far.leading[index]
+        assert pad == far_pad_blocks(near_cache)
+        page_bytes = near_cache[0].numel() * near_cache.element_size()
+        assert pad * page_bytes >= FAR_MIN_BYTES
+        assert pad * near_cache[0].numel() >= 2**31  # past int32 element offsets too
+        assert torch.equal(far_cache[pad:].view(torch.uint8), near_cache.view(torch.uint8))
+        assert bool((far_cache[0].view(torch.uint8) == 0xFF).all())  # wrapped offsets land on poison
+        assert bool((far_cache[pad - 1].view(torch.uint8) == 0xFF).all())
+        for (near_args, _), (far_args, _) in zip(prepared.steps, far.steps):
+            assert far_args[index] is far_cache  # one cache object in every step, as in the near case
+            for t in pages.tables:
+                n, f = near_args[t], far_args[t]
+                assert f.dtype == n.dtype and torch.equal(f, torch.where(n >= 0, n + pad, n))
+            for s in pages.slots:
+                n, f = near_args[s], far_args[s]
+                assert f.dtype == n.dtype and torch.equal(f, torch.where(n >= 0, n + pad * pages.block_size, n))
+                assert bool((n < 0).any()) == bool((f < 0).any())
+
+
+def test_far_outputs_equal_near_outputs_on_the_reference():
+    backend = ReferenceBackend()
+    for case in _one_case_each():
+        prepared = prepare(case)
+        if not prepared.pages:
+            continue
+        from dsv4.conformance.cases import clone_prepared
+
+        near = execute(clone_prepared(prepared), getattr(backend, case.op))
+        far = execute(place_far(prepared), getattr(backend, case.op))
+        assert near.keys() == far.keys()
+        for name in near:  # caches come back without the pad
+            assert torch.equal(near[name].view(torch.uint8), far[name].view(torch.uint8)), (case.id, name)
+
+
+class HighBitsLost(ReferenceBackend):
+    """Addresses its caches with 20-bit slot numbers: right on small caches, wrong past them, the way a
+    32-bit page offset is right below 2 GiB."""
+
+    name = "high-bits-lost"
+
+    def sparse_attention(self, q, swa_cache, swa_indices, *args, **kwargs):
+        lost = torch.where(swa_indices >= 0, swa_indices & 0xFFFFF, swa_indices)
+        return super().sparse_attention(q, swa_cache, lost, *args, **kwargs)
+
+    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, slots, **kwargs):
+        lost = torch.where(slots >= 0, slots & 0xFFFFF, slots)
+        return super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, lost, **kwargs)
+
+
+def test_the_far_run_fails_a_backend_that_drops_high_address_bits():
+    registry = Registry()
+    registry.register_backend(HighBitsLost())
+    cases = select_cases(default_cases(), ["sparse_attention", "qnorm_rope_insert"], "vllm and fp8_ds_mla")
+    result = run_suite(["high-bits-lost"], cases, registry=registry)
+    for row in result.rows:
+        assert row.outcome == "failed", row.case
+        near = [name for name in row.metrics if not name.endswith("@far")]
+        assert near and all(row.metrics[name]["passed"] is not False for name in near), row.case
+        assert any(row.metrics[name]["passed"] is False for name in row.metrics if name.endswith("@far")), row.case
+    # without the far run the same backend passes: the near cases cannot see it
+    assert run_suite(["high-bits-lost"], cases, registry=registry, far=False).passed
+
+
+def test_run_case_far_flag_and_metric_names():
+    case = select_cases(default_cases(), ["compress_insert"], "vllm and indexer")[0]
+    store = GoldenStore()
+    with_far = run_case(ReferenceBackend(), case, torch.device("cpu"), store)
+    assert with_far.outcome == "passed"
+    assert set(with_far.metrics) == {"state_cache", "out_cache", "state_cache@far", "out_cache@far"}
+    near_only = run_case(ReferenceBackend(), case, torch.device("cpu"), store, far=False)
+    assert set(near_only.metrics) == {"state_cache", "out_cache"}
+    unpaged = run_case(ReferenceBackend(), select_cases(default_cases(), ["indexer_q"])[0], torch.device("cpu"), store)
+    assert not any(name.endswith("@far") for name in unpaged.metrics)
+
+
+def test_a_far_int32_table_that_would_overflow_is_refused():
+    from dsv4.conformance.placement import _shift
+
+    with pytest.raises(OverflowError, match="int32"):
+        _shift(torch.tensor([2**31 - 10], dtype=torch.int32), 100)
+    assert CachePages(16).tables == () and CachePages(16).slots == ()

@@ -1,0 +1,58 @@
+"""tools/large_tokens_check.py (the H200's tokens-past-2**31 check) at a CPU-sized T under the interpreter:
+its checks pass on the shipped kernels and fail when the last tokens' rows are wrong."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import large_tokens_check as tool
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setattr(tool, "DEV", "cpu")
+    torch.manual_seed(0)
+
+
+def test_the_checks_pass_at_a_small_t():
+    assert "elements" in tool.chk_qnorm(10, 4)
+    assert "elements" in tool.chk_attention(10, 4, None)
+    assert "elements" in tool.chk_attention(9, 4, False)
+    for fp8 in (False, True):
+        assert "elements" in tool.chk_output(10, 4, fp8, groups=2, o_lora=64, hidden=128)
+
+
+def test_a_wrong_last_token_fails_each_check(monkeypatch):
+    def last_row_broken(op):
+        real = getattr(tool.B, op)
+
+        def broken(*args, **kwargs):
+            out = real(*args, **kwargs)
+            first = out[0] if isinstance(out, tuple) else out
+            first[-1] = first[-1] * 0.5 + 1  # the row past the boundary, as a wrapped offset would leave it
+            return out
+
+        monkeypatch.setattr(tool.B, op, broken)
+
+    for op in ("qnorm_rope_insert", "sparse_attention", "output_projection"):
+        last_row_broken(op)
+    with pytest.raises(AssertionError):
+        tool.chk_qnorm(10, 4)
+    with pytest.raises(AssertionError):
+        tool.chk_attention(10, 4, None)
+    with pytest.raises(AssertionError):
+        tool.chk_output(10, 4, False, groups=2, o_lora=64, hidden=128)
+
+
+def test_default_shape_is_past_2_31_elements_and_main_needs_a_gpu(capsys):
+    tokens = 2**31 // (128 * 512) + 64
+    assert tokens * 128 * 512 > 2**31 and tokens < 33000  # a 32K-token chunked prefill at V4-Pro's 128 heads
+    assert {name for name, _, _ in tool.checks(tokens, 128)} >= {"qnorm_rope_insert fp8_ds_mla",
+                                                                 "output_projection bf16"}
+    if not torch.cuda.is_available():
+        assert tool.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out

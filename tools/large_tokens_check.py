@@ -1,0 +1,142 @@
+"""Tokens past 2**31 elements, on the GPU: per-token tensors of more than 2**31 elements.
+
+V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
+past 2**31 elements from T = 32769 on (a 32K-token chunked prefill). A kernel that forms a token's offset
+as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it. Each check runs one
+Triton op at such a T and compares the last tokens' rows (and the first, which no overflow can move)
+against ``dsv4.reference`` on those rows alone, under the conformance suite's tolerances. The suite's
+far run (``conformance/placement.py``) covers pages past 4 GiB on every backend; tokens need a real T, so
+this is a GPU tool (its CPU test runs the same checks at a small T under the interpreter).
+
+    python3 tools/large_tokens_check.py [--tokens T] [--heads H]     (default: 128 heads, T = 2**31 / (H * 512) + 64)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "backends" / "triton"))
+
+from _triton_helpers import assert_cache_equivalent, assert_close
+from dsv4 import reference
+from dsv4.backends.triton import TritonBackend
+from dsv4.codecs import get_codec
+
+DEV = "cuda"
+B = TritonBackend()
+D = 512
+EDGE = 4  # tokens compared at each end
+
+
+def _cos_sin(positions: int) -> torch.Tensor:
+    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv
+    return torch.cat([angles.cos(), angles.sin()], 1).float().to(DEV)
+
+
+def _edges(num_tokens: int) -> torch.Tensor:
+    """The first and last EDGE token indices (int64, on DEV)."""
+    return torch.cat([torch.arange(EDGE), torch.arange(num_tokens - EDGE, num_tokens)]).to(DEV)
+
+
+def chk_qnorm(num_tokens: int, heads: int) -> str:
+    """qnorm_rope_insert fp8_ds_mla: q_out of the edge tokens, and the cache rows they write (the others
+    write nothing: slot -1)."""
+    q = torch.randn(num_tokens, heads, D, device=DEV, dtype=torch.bfloat16)
+    kv = torch.randn(num_tokens, D, device=DEV, dtype=torch.bfloat16)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEV)
+    edges = _edges(num_tokens)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=DEV)
+    slots[edges] = torch.randperm(64, device=DEV)[: edges.numel()]
+    cache = get_codec("fp8_ds_mla").allocate(4, 16, device=DEV)
+    ref_cache = cache.clone()
+    cs = _cos_sin(4096)
+    out = B.qnorm_rope_insert(q, kv, positions, cs, cache, slots, kv_format="fp8_ds_mla", eps=1e-6, profile="vllm")
+    ref = reference.qnorm_rope_insert(q[edges], kv[edges], positions[edges], cs, ref_cache, slots[edges],
+                                      kv_format="fp8_ds_mla", eps=1e-6, profile="vllm")
+    assert_close("q_out", out[edges].cpu(), ref.cpu(), "qnorm_rope_insert", "q_out")
+    assert_cache_equivalent("swa_cache", "fp8_ds_mla", cache.cpu(), ref_cache.cpu(), slots[edges].cpu())
+    return f"q {tuple(q.shape)}: {q.numel() / 2**31:.3f} x 2**31 elements"
+
+
+def chk_attention(num_tokens: int, heads: int, hopper: bool | None) -> str:
+    """sparse_attention fp8_ds_mla, SWA 128 + 512 extra entries, one split: out and lse of the edge tokens."""
+    codec = get_codec("fp8_ds_mla")
+    rows = 1024
+    swa, ext = codec.allocate(rows // 64, 64, device=DEV), codec.allocate(rows // 64, 64, device=DEV)
+    for cache in (swa, ext):
+        codec.write_rows(cache, torch.arange(rows, device=DEV), torch.randn(rows, D, device=DEV))
+    swa_idx = torch.randint(0, rows, (num_tokens, 128), device=DEV, dtype=torch.int32)
+    ext_idx = torch.randint(0, rows, (num_tokens, 512), device=DEV, dtype=torch.int32)
+    swa_lens = torch.randint(1, 129, (num_tokens,), device=DEV, dtype=torch.int32)
+    ext_lens = torch.randint(0, 513, (num_tokens,), device=DEV, dtype=torch.int32)
+    q = (torch.randn(num_tokens, heads, D, device=DEV) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(heads, device=DEV)
+    extra = {} if hopper is None else {"hopper": hopper}
+    out, lse = B.sparse_attention(q, swa, swa_idx, swa_lens, ext, ext_idx, ext_lens, sink, kv_format="fp8_ds_mla",
+                                  softmax_scale=D ** -0.5, profile="vllm", num_splits=1, **extra)
+    e = _edges(num_tokens)
+    r_out, r_lse = reference.sparse_attention(q[e].double(), swa, swa_idx[e], swa_lens[e], ext, ext_idx[e],
+                                              ext_lens[e], sink.double(), kv_format="fp8_ds_mla",
+                                              softmax_scale=D ** -0.5, profile="vllm")
+    assert_close("out", out[e].cpu(), r_out.cpu(), "sparse_attention", "out", profile="vllm")
+    assert_close("lse", lse[e].cpu(), r_lse.cpu(), "sparse_attention", "lse", profile="vllm")
+    return f"q {tuple(q.shape)}: {q.numel() / 2**31:.3f} x 2**31 elements"
+
+
+def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora: int = 1024,
+               hidden: int = 7168) -> str:
+    """output_projection (V4-Pro's shape at 128 heads): out of the edge tokens."""
+    groups = min(groups, heads)
+    o = torch.randn(num_tokens, heads, D, device=DEV).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEV)
+    cs = _cos_sin(4096)
+    fan_a = heads // groups * D
+    wo_a = (torch.randn(groups * o_lora, fan_a, device=DEV) * fan_a ** -0.5).to(torch.bfloat16)
+    wo_b = (torch.randn(hidden, groups * o_lora, device=DEV) * (groups * o_lora) ** -0.5).to(torch.bfloat16)
+    out = B.output_projection(o, positions, cs, wo_a, wo_b, fp8_activations=fp8)
+    e = _edges(num_tokens)
+    ref = reference.output_projection(o[e], positions[e], cs, wo_a, wo_b, fp8_activations=fp8)
+    assert_close("out", out[e].cpu(), ref.cpu(), "output_projection", "out")
+    return f"o {tuple(o.shape)}: {o.numel() / 2**31:.3f} x 2**31 elements"
+
+
+def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
+    """(name, function, arguments) of every check at ``num_tokens`` x ``heads``."""
+    return [("qnorm_rope_insert fp8_ds_mla", chk_qnorm, (num_tokens, heads)),
+            ("sparse_attention fp8_ds_mla (dispatch's kernel)", chk_attention, (num_tokens, heads, None)),
+            ("sparse_attention fp8_ds_mla (Triton kernel)", chk_attention, (num_tokens, heads, False)),
+            ("output_projection bf16", chk_output, (num_tokens, heads, False)),
+            ("output_projection fp8 activations", chk_output, (num_tokens, heads, True))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=None, help="default: 2**31 / (heads * 512) + 64")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("large_tokens_check: needs a CUDA GPU (its CPU test runs the checks at a small T)")
+        return 2
+    num_tokens = args.tokens or 2**31 // (args.heads * D) + 64
+    failed = 0
+    for name, fn, fn_args in checks(num_tokens, args.heads):
+        start = time.time()
+        try:
+            detail = fn(*fn_args)
+            print(f"PASS {name}: {detail} ({time.time() - start:.1f} s)", flush=True)
+        except Exception as exc:  # noqa: BLE001 - each check reports and the next one runs
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+    print(f"{len(checks(num_tokens, args.heads)) - failed} passed, {failed} failed (T={num_tokens}, H={args.heads})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
