@@ -132,3 +132,26 @@ def test_a_far_int32_table_that_would_overflow_is_refused():
     with pytest.raises(OverflowError, match="int32"):
         _shift(torch.tensor([2**31 - 10], dtype=torch.int32), 100)
     assert CachePages(16).tables == () and CachePages(16).slots == ()
+
+
+class _SmallCopiesOnly(torch.Tensor):
+    """A tensor whose ``.cpu()`` refuses more than 1 MiB: a GPU far-placed cache copied whole is gigabytes."""
+
+    def cpu(self, *args, **kwargs):
+        assert self.numel() * self.element_size() <= 2**20, f"{self.numel() * self.element_size()} bytes copied"
+        return super().cpu(*args, **kwargs)
+
+
+def test_the_topk_check_reads_the_rows_it_scores_not_the_cache():
+    from dsv4.conformance.runner import compare_outputs
+
+    case = select_cases(default_cases(), ["indexer_topk"], "vllm")[0]
+    far = place_far(prepare(case))
+    args, kwargs = far.steps[0]
+    out = ReferenceBackend().indexer_topk(*args, **kwargs)
+    guarded = args[4].as_subclass(_SmallCopiesOnly)
+    with pytest.raises(AssertionError, match="bytes copied"):
+        guarded.cpu()
+    far.steps[0] = ((*args[:4], guarded, *args[5:]), kwargs)
+    metrics = compare_outputs(far, {"topk": out}, {})
+    assert metrics["topk"]["passed"] is True
