@@ -170,6 +170,10 @@ class PagedKVCache:
         self.groups: dict[str, BlockPool] = {}
         for name in sorted(wanted):
             g = geo.group(_SPEC_GROUPS[name])
+            if sizes[name] * g.entries_per_page > _MAX_SLOTS:  # SPEC §10: global slots are int32 in index rows
+                raise DSV4ValueError.of(f"num_blocks[{name!r}]",
+                                        f"at most {_MAX_SLOTS // g.entries_per_page} ({g.entries_per_page} entries a "
+                                        "page; int32 global slots, SPEC §10)", sizes[name])
             self.groups[name] = BlockPool(name, g.entries_per_page, sizes[name], g.window)
         if "c4" in self.groups:  # the indexer keys and state share the c4 tables (same page geometry)
             for shared, own in (("c4_indexer_keys", "c4"), ("c4_indexer_state", "state4")):
@@ -451,6 +455,9 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     except (AssertionError, RuntimeError) as exc:
         raise DSV4ValueError.of("device", "a device available on this machine", repr(str(device)),
                                 hint=str(exc).splitlines()[0] if str(exc) else "") from None
+
+
+_MAX_SLOTS = 2**31  # slots a pool may have: 0 .. 2**31 - 1 fit the int32 index rows (SPEC §10)
 
 
 def _pages_per_group(num_blocks: int | dict[str, int], wanted: list[str]) -> dict[str, int]:

@@ -167,3 +167,32 @@ def test_explicit_cache_format_wins_over_the_geometry_format():
     lc = cache.layer(1)
     assert lc.swa[0].numel() * lc.swa.element_size() == 74880  # roundup(128 * 584, 576)
     assert lc.indexer_keys[0].numel() * lc.indexer_keys.element_size() == 128 * 132
+
+
+
+
+class _Built(Exception):
+    pass
+
+
+def test_a_pool_whose_slots_overflow_int32_is_refused_before_anything_is_built(monkeypatch):
+    """SPEC §10: index rows hold global slots in int32, so a group may have at most 2**31 slots."""
+    import dsv4.cache as cache_module
+
+    probe = PagedKVCache(CFG, [0, 2], num_blocks=1)
+    per_page = {name: group.block_size for name, group in probe.groups.items()}
+
+    def build(name, block_size, num_blocks, window):
+        if num_blocks > 1:
+            raise _Built(name)
+        return real(name, block_size, num_blocks, window)
+
+    real = cache_module.BlockPool
+    monkeypatch.setattr(cache_module, "BlockPool", build)
+    for name, entries in per_page.items():
+        most = dict.fromkeys(per_page, 1)
+        most[name] = 2**31 // entries  # slots 0 .. 2**31 - 1: accepted, so its pool is built
+        with pytest.raises(_Built, match=name):
+            PagedKVCache(CFG, [0, 2], num_blocks=most)
+        with pytest.raises(DSV4ValueError, match=rf"num_blocks\['{name}'\].*int32 global slots"):
+            PagedKVCache(CFG, [0, 2], num_blocks={**most, name: most[name] + 1})
