@@ -155,3 +155,21 @@ def test_the_topk_check_reads_the_rows_it_scores_not_the_cache():
     far.steps[0] = ((*args[:4], guarded, *args[5:]), kwargs)
     metrics = compare_outputs(far, {"topk": out}, {})
     assert metrics["topk"]["passed"] is True
+
+
+@pytest.mark.parametrize("near_only", [False, True])
+def test_cli_near_only(near_only, tmp_path, monkeypatch):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _cli_helpers import cli_registry
+    from dsv4.conformance.cli import main
+
+    cli_registry(monkeypatch)
+    report = tmp_path / "r.json"
+    argv = ["run", "--backend", "reference", "--op", "indexer_topk", "-k", "vllm", "--json", str(report)]
+    assert main(argv + (["--near-only"] if near_only else [])) == 0
+    rows = json.loads(report.read_text())["results"]
+    assert rows and all(("topk@far" in row["metrics"]) is not near_only for row in rows)

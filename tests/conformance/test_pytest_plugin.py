@@ -41,3 +41,17 @@ def test_triton_is_interpreted_without_a_gpu(pytester, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pytester.runpytest("--dsv4-backend", "triton", "--collect-only")
     assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("near_only", [False, True])
+def test_near_only_drops_the_far_run(pytester, near_only):
+    """Each item's report row (user property ``dsv4_row``) has ``@far`` metrics unless --dsv4-near-only."""
+    import json
+
+    args = ["--dsv4-backend", "reference", "-k", "indexer_topk and vllm"] + (["--dsv4-near-only"] if near_only else [])
+    recorder = pytester.inline_run(*args)
+    reports = [r for r in recorder.getreports("pytest_runtest_logreport") if r.when == "call"]
+    assert reports and all(r.passed for r in reports)
+    for r in reports:
+        row = json.loads(dict(r.user_properties)["dsv4_row"])
+        assert ("topk@far" in row["metrics"]) is not near_only
