@@ -1,7 +1,8 @@
 """Tokens past 2**31 elements, on the GPU: per-token tensors of more than 2**31 elements.
 
 V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
-past 2**31 elements from T = 32769 on (a 32K-token chunked prefill). A kernel that forms a token's offset
+past 2**31 elements from T = 32769 on (a 32K-token chunked prefill); the indexer's logits [T, context / 4]
+fp32 pass it at T = 8192 with a 1M context. A kernel that forms a token's offset
 as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it. Each check runs one
 Triton op at such a T and compares the last tokens' rows (and the first, which no overflow can move)
 against ``dsv4.reference`` on those rows alone, under the conformance suite's tolerances. The suite's
@@ -106,13 +107,44 @@ def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora:
     return f"o {tuple(o.shape)}: {o.numel() / 2**31:.3f} x 2**31 elements"
 
 
+def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", block: int = 64,
+                topk: int = 512) -> str:
+    """indexer_topk of one request's chunk of ``num_tokens`` at the end of ``context``: its logits
+    ``[T, context / 4]`` fp32 pass 2**31 elements at T = 8192 and a 1M context. q and w come from
+    ``indexer_q`` (the served path); the edge tokens' rows pass the suite's tie-aware rule on float64
+    scores."""
+    from dsv4.conformance.metrics import check_topk, topk_scores
+    from dsv4.conformance.tolerances import tolerance_for
+
+    entries, ratio = context // 4, 4
+    codec = get_codec(key_format)
+    pages = -(-entries // block)
+    cache = codec.allocate(pages, block, device=DEV)
+    table = torch.randperm(pages, device=DEV).to(torch.int32)[None, :]
+    slots = (table.long()[0, :, None] * block + torch.arange(block, device=DEV)).flatten()
+    codec.write_rows(cache, slots, torch.randn(slots.numel(), 128, device=DEV))
+    positions = torch.arange(context - num_tokens, context, device=DEV)
+    token_request = torch.zeros(num_tokens, dtype=torch.int32, device=DEV)
+    profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
+    q, w = B.indexer_q((torch.randn(num_tokens, 64, 128, device=DEV) * 3).to(torch.bfloat16),
+                       torch.randn(num_tokens, 64, device=DEV).to(torch.bfloat16), positions, _cos_sin(context),
+                       profile=profile)
+    out = B.indexer_topk(q, w, positions, token_request, cache, table, topk=topk, key_format=key_format)
+    e = _edges(num_tokens)
+    scores = topk_scores(q[e], w[e], positions[e], token_request[e], cache, table, codec, ratio, block)
+    verdict = check_topk(out[e], scores, positions[e].cpu(), topk, ratio, tolerance_for("indexer_topk", "topk"))
+    assert verdict["passed"], verdict.get("reason")
+    return f"logits ({num_tokens}, {entries}): {num_tokens * entries / 2**31:.3f} x 2**31 elements"
+
+
 def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
     """(name, function, arguments) of every check at ``num_tokens`` x ``heads``."""
     return [("qnorm_rope_insert fp8_ds_mla", chk_qnorm, (num_tokens, heads)),
             ("sparse_attention fp8_ds_mla (dispatch's kernel)", chk_attention, (num_tokens, heads, None)),
             ("sparse_attention fp8_ds_mla (Triton kernel)", chk_attention, (num_tokens, heads, False)),
             ("output_projection bf16", chk_output, (num_tokens, heads, False)),
-            ("output_projection fp8 activations", chk_output, (num_tokens, heads, True))]
+            ("output_projection fp8 activations", chk_output, (num_tokens, heads, True)),
+            ("indexer_topk indexer_fp8, 8192 tokens at 1M context", chk_indexer, (8192, 1 << 20))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,8 @@ def test_the_checks_pass_at_a_small_t():
     assert "elements" in tool.chk_attention(9, 4, False)
     for fp8 in (False, True):
         assert "elements" in tool.chk_output(10, 4, fp8, groups=2, o_lora=64, hidden=128)
+    for key_format in ("indexer_fp8", "indexer_mxfp4"):  # 9 tokens at a 1K context: 256 entries, top-64
+        assert "elements" in tool.chk_indexer(9, 1024, key_format, block=16, topk=64)
 
 
 def test_a_wrong_last_token_fails_each_check(monkeypatch):
@@ -38,7 +40,7 @@ def test_a_wrong_last_token_fails_each_check(monkeypatch):
 
         monkeypatch.setattr(tool.B, op, broken)
 
-    for op in ("qnorm_rope_insert", "sparse_attention", "output_projection"):
+    for op in ("qnorm_rope_insert", "sparse_attention", "output_projection", "indexer_topk"):
         last_row_broken(op)
     with pytest.raises(AssertionError):
         tool.chk_qnorm(10, 4)
@@ -46,6 +48,25 @@ def test_a_wrong_last_token_fails_each_check(monkeypatch):
         tool.chk_attention(10, 4, None)
     with pytest.raises(AssertionError):
         tool.chk_output(10, 4, False, groups=2, o_lora=64, hidden=128)
+
+
+def test_a_worse_last_pick_fails_the_indexer_check(monkeypatch):
+    real = tool.B.indexer_topk
+
+    def reversed_last_row(*args, **kwargs):  # the last token picks its bottom entries
+        out = real(*args, **kwargs)
+        q, w, positions, token_request, cache, table = args[:6]
+        from dsv4.codecs import get_codec
+        from dsv4.conformance.metrics import topk_scores
+
+        scores = topk_scores(q[-1:], w[-1:], positions[-1:], token_request[-1:], cache, table,
+                             get_codec(kwargs["key_format"]), 4, 16)[0]
+        out[-1] = scores.argsort()[: out.shape[1]].to(out.dtype)
+        return out
+
+    monkeypatch.setattr(tool.B, "indexer_topk", reversed_last_row)
+    with pytest.raises(AssertionError, match="row"):
+        tool.chk_indexer(9, 1024, "indexer_fp8", block=16, topk=64)
 
 
 def test_default_shape_is_past_2_31_elements_and_main_needs_a_gpu(capsys):
