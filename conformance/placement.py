@@ -13,8 +13,8 @@ The pad is chosen so that the case's pages start past 2**31 *elements* of the ca
 past 4 GiB (a uint8 page also read through a bf16 view). A 32-bit byte offset of a uint8 cache then
 wraps to the pad's first megabytes: those, and the page just before the case's, are poisoned (NaN),
 so a wrapped read shows as a NaN and a wrapped write lands where no output is read. A 32-bit element
-offset of a bf16 or fp32 cache wraps negative, before the tensor: on a GPU that is an illegal address
-(the run errors), on the CPU a fault. The rest of the pad is left unwritten: on the CPU it is never touched (no memory is committed for it), on a GPU it is
+offset in 2- or 4-byte units (a bf16 or fp32 cache, or such a view of a uint8 one) wraps negative, before
+the tensor: on a GPU that is an illegal address (the run errors), on the CPU a fault. The rest of the pad is left unwritten: on the CPU it is never touched (no memory is committed for it), on a GPU it is
 allocated (the far run of a case holds up to ~12 GiB; ``dsv4-conformance run --near-only`` skips it).
 """
 from __future__ import annotations
@@ -77,21 +77,25 @@ def place_far(prepared: Any) -> Any:
         raise ValueError(f"{prepared.case.id}: no paged cache to place far")
     args0 = prepared.steps[0][0]
     replaced: dict[int, torch.Tensor] = {}  # id(original tensor) -> its far version, across steps
+    shifts: dict[int, int] = {}  # id(index tensor) -> its shift: one tensor cannot address two pads
     leading: dict[int, int] = {}
+
+    def shift(t: torch.Tensor, by: int) -> None:
+        if shifts.setdefault(id(t), by) != by:
+            raise ValueError(f"{prepared.case.id}: one index tensor addresses two paged caches")
+        if id(t) not in replaced:
+            replaced[id(t)] = _shift(t, by)
+
     for cache_index, pages in prepared.pages.items():
         cache = args0[cache_index]
         pad = far_pad_blocks(cache)
         leading[cache_index] = pad
         replaced[id(cache)] = _far_cache(cache, pad)
-        for _args, _ in prepared.steps:
+        for step_args, _ in prepared.steps:
             for index in pages.tables:
-                t = _args[index]
-                if id(t) not in replaced:
-                    replaced[id(t)] = _shift(t, pad)
+                shift(step_args[index], pad)
             for index in pages.slots:
-                t = _args[index]
-                if id(t) not in replaced:
-                    replaced[id(t)] = _shift(t, pad * pages.block_size)
+                shift(step_args[index], pad * pages.block_size)
     steps = [(tuple(replaced.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
              for args, kwargs in prepared.steps]
     return replace(prepared, steps=steps, leading=leading)

@@ -173,3 +173,13 @@ def test_cli_near_only(near_only, tmp_path, monkeypatch):
     assert main(argv + (["--near-only"] if near_only else [])) == 0
     rows = json.loads(report.read_text())["results"]
     assert rows and all(("topk@far" in row["metrics"]) is not near_only for row in rows)
+
+
+def test_one_index_tensor_for_two_caches_is_refused():
+    case = select_cases(default_cases(), ["compress_insert"], "csa and vllm and indexer")[0]
+    prepared = prepare(case)
+    args = list(prepared.steps[0][0])
+    args[10] = args[5]  # the state slots also address the compressed cache, whose pad differs
+    prepared.steps[0] = (tuple(args), prepared.steps[0][1])
+    with pytest.raises(ValueError, match="two paged caches"):
+        place_far(prepared)
