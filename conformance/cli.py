@@ -123,7 +123,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="differential mode seed (default: random)")
     p.add_argument("--near-only", action="store_true",
                    help="skip the far run of each paged case (pages past 4 GiB of their cache: up to ~12 GiB of "
-                        "device memory a case); differential mode has no far run")
+                        "device memory a case)")
 
 
 def _registry():
@@ -237,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         if args.differential:
             result = run_differential(*args.differential, cases=cases, seed=args.seed, device=args.device,
-                                      registry=registry, progress=progress)
+                                      registry=registry, progress=progress, far=not args.near_only)
         else:
             result = run_suite(backends, cases, device=args.device, registry=registry, progress=progress,
                                far=not args.near_only)

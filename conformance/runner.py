@@ -289,8 +289,9 @@ def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | Non
 
 def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | None = None, seed: int | None = None,
                      device: str | torch.device = "cpu", registry: Registry | None = None,
-                     progress: Progress | None = None) -> SuiteResult:
-    """Backend B against backend A on fresh random inputs (``seed`` or random), same tolerances."""
+                     progress: Progress | None = None, far: bool = True) -> SuiteResult:
+    """Backend B against backend A on fresh random inputs (``seed`` or random), same tolerances; ``far``:
+    B again with the pages placed far, against A's near outputs (metrics ``<output>@far``)."""
     registry = registry or get_registry()
     device = torch.device(device)
     a, b = registry.get(backend_a), registry.get(backend_b)
@@ -319,6 +320,8 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
+                if far and prepared.pages:
+                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse))
                 for name, want in returned_dtypes(run_a).items():  # B's dtypes are checked above; A's here
                     if name in out_a and out_a[name].dtype != want:
                         row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)

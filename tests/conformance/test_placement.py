@@ -183,3 +183,18 @@ def test_one_index_tensor_for_two_caches_is_refused():
     prepared.steps[0] = (tuple(args), prepared.steps[0][1])
     with pytest.raises(ValueError, match="two paged caches"):
         place_far(prepared)
+
+
+def test_differential_mode_places_b_far():
+    from dsv4.conformance.runner import run_differential
+
+    registry = Registry()
+    registry.register_backend(ReferenceBackend())
+    registry.register_backend(HighBitsLost())
+    cases = select_cases(default_cases(), ["sparse_attention"], "vllm and fp8_ds_mla and decode")
+    result = run_differential("reference", "high-bits-lost", cases, seed=3, registry=registry)
+    for row in result.rows:
+        assert row.outcome == "failed", row.case
+        assert all(m["passed"] is not False for k, m in row.metrics.items() if not k.endswith("@far")), row.case
+        assert any(m["passed"] is False for k, m in row.metrics.items() if k.endswith("@far")), row.case
+    assert run_differential("reference", "high-bits-lost", cases, seed=3, registry=registry, far=False).passed
