@@ -2,7 +2,7 @@
 
 V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
 past 2**31 elements from T = 32769 on (a 32K-token chunked prefill); the indexer's logits [T, context / 4]
-fp32 pass it at T = 8192 with a 1M context. A kernel that forms a token's offset
+fp32 pass it past T = 8192 with a 1M context. A kernel that forms a token's offset
 as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it. Each check runs one
 Triton op at such a T and compares the last tokens' rows (and the first, which no overflow can move)
 against ``dsv4.reference`` on those rows alone, under the conformance suite's tolerances. The suite's
@@ -110,7 +110,7 @@ def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora:
 def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", block: int = 64,
                 topk: int = 512) -> str:
     """indexer_topk of one request's chunk of ``num_tokens`` at the end of ``context``: its logits
-    ``[T, context / 4]`` fp32 pass 2**31 elements at T = 8192 and a 1M context. q and w come from
+    ``[T, context / 4]`` fp32 pass 2**31 elements past T = 8192 at a 1M context. q and w come from
     ``indexer_q`` (the served path); the edge tokens' rows pass the suite's tie-aware rule on float64
     scores."""
     from dsv4.conformance.metrics import check_topk, topk_scores
@@ -144,7 +144,7 @@ def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
             ("sparse_attention fp8_ds_mla (Triton kernel)", chk_attention, (num_tokens, heads, False)),
             ("output_projection bf16", chk_output, (num_tokens, heads, False)),
             ("output_projection fp8 activations", chk_output, (num_tokens, heads, True)),
-            ("indexer_topk indexer_fp8, 8192 tokens at 1M context", chk_indexer, (8192, 1 << 20))]
+            ("indexer_topk indexer_fp8, 8256 tokens at 1M context", chk_indexer, (8256, 1 << 20))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,8 +72,10 @@ def test_a_worse_last_pick_fails_the_indexer_check(monkeypatch):
 def test_default_shape_is_past_2_31_elements_and_main_needs_a_gpu(capsys):
     tokens = 2**31 // (128 * 512) + 64
     assert tokens * 128 * 512 > 2**31 and tokens < 33000  # a 32K-token chunked prefill at V4-Pro's 128 heads
-    assert {name for name, _, _ in tool.checks(tokens, 128)} >= {"qnorm_rope_insert fp8_ds_mla",
-                                                                 "output_projection bf16"}
+    listed = tool.checks(tokens, 128)
+    assert {name for name, _, _ in listed} >= {"qnorm_rope_insert fp8_ds_mla", "output_projection bf16"}
+    indexer_tokens, context = next(args for _, fn, args in listed if fn is tool.chk_indexer)
+    assert indexer_tokens * (context // 4) > 2**31  # past int32 offsets, not at the edge
     if not torch.cuda.is_available():
         assert tool.main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
