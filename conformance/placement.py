@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAR_MIN_BYTES", "CachePages", "far_pad_blocks", "place_far"]
+__all__ = ["FAR_MIN_BYTES", "CachePages", "far_copy", "far_pad_blocks", "place_far"]
 
 FAR_MIN_BYTES = 2**32 + 2**20  # 4 GiB + 1 MiB: past any 32-bit byte or bf16-element offset
 _WRAP_POISON_BYTES = 2**22  # a wrapped offset lands within the pad's first MiBs: poison them
@@ -49,6 +49,14 @@ def far_pad_blocks(cache: torch.Tensor) -> int:
     page_bytes = cache[0].numel() * cache.element_size()
     start = max(FAR_MIN_BYTES, 2**31 * cache.element_size() + 2**20)
     return -(-start // page_bytes)
+
+
+def far_copy(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(far, pad)``: ``far`` is ``[pad + n, ...]`` of ``cache``'s dtype on its device with ``cache`` copied
+    behind ``pad = far_pad_blocks(cache)`` pages (the wrap region and the page before poisoned); page ``i``
+    of ``cache`` is page ``pad + i`` of ``far``."""
+    pad = far_pad_blocks(cache)
+    return _far_cache(cache, pad), pad
 
 
 def _far_cache(cache: torch.Tensor, pad: int) -> torch.Tensor:
@@ -88,9 +96,8 @@ def place_far(prepared: Any) -> Any:
 
     for cache_index, pages in prepared.pages.items():
         cache = args0[cache_index]
-        pad = far_pad_blocks(cache)
+        replaced[id(cache)], pad = far_copy(cache)
         leading[cache_index] = pad
-        replaced[id(cache)] = _far_cache(cache, pad)
         for step_args, _ in prepared.steps:
             for index in pages.tables:
                 shift(step_args[index], pad)

@@ -1,4 +1,5 @@
-"""Tokens past 2**31 elements, on the GPU: per-token tensors of more than 2**31 elements.
+"""Tokens past 2**31 elements, on the GPU: per-token tensors of more than 2**31 elements (and the served
+indexer path on key pages past 4 GiB).
 
 V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
 past 2**31 elements from T = 32769 on (a 32K-token chunked prefill); the indexer's logits [T, context / 4]
@@ -108,12 +109,14 @@ def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora:
 
 
 def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", block: int = 64,
-                topk: int = 512) -> str:
+                topk: int = 512, far: bool = False) -> str:
     """indexer_topk of one request's chunk of ``num_tokens`` at the end of ``context``: its logits
     ``[T, context / 4]`` fp32 pass 2**31 elements past T = 8192 at a 1M context. q and w come from
     ``indexer_q`` (the served path); the edge tokens' rows pass the suite's tie-aware rule on float64
-    scores."""
+    scores. ``far``: the key pages past 4 GiB of their cache (``placement.far_copy``): the served path's
+    key tiles (fp8 MMAs, TMA boxes, mxfp4 decode), which the suite's random q does not reach."""
     from dsv4.conformance.metrics import check_topk, topk_scores
+    from dsv4.conformance.placement import far_copy
     from dsv4.conformance.tolerances import tolerance_for
 
     entries, ratio = context // 4, 4
@@ -123,6 +126,9 @@ def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", 
     table = torch.randperm(pages, device=DEV).to(torch.int32)[None, :]
     slots = (table.long()[0, :, None] * block + torch.arange(block, device=DEV)).flatten()
     codec.write_rows(cache, slots, torch.randn(slots.numel(), 128, device=DEV))
+    if far:
+        cache, pad = far_copy(cache)
+        table = table + pad
     positions = torch.arange(context - num_tokens, context, device=DEV)
     token_request = torch.zeros(num_tokens, dtype=torch.int32, device=DEV)
     profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
@@ -134,6 +140,8 @@ def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", 
     scores = topk_scores(q[e], w[e], positions[e], token_request[e], cache, table, codec, ratio, block)
     verdict = check_topk(out[e], scores, positions[e].cpu(), topk, ratio, tolerance_for("indexer_topk", "topk"))
     assert verdict["passed"], verdict.get("reason")
+    if far:
+        return f"key pages from byte {pad * cache[0].numel() / 2**30:.2f} GiB of the cache"
     return f"logits ({num_tokens}, {entries}): {num_tokens * entries / 2**31:.3f} x 2**31 elements"
 
 
@@ -144,7 +152,9 @@ def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
             ("sparse_attention fp8_ds_mla (Triton kernel)", chk_attention, (num_tokens, heads, False)),
             ("output_projection bf16", chk_output, (num_tokens, heads, False)),
             ("output_projection fp8 activations", chk_output, (num_tokens, heads, True)),
-            ("indexer_topk indexer_fp8, 8256 tokens at 1M context", chk_indexer, (8256, 1 << 20))]
+            ("indexer_topk indexer_fp8, 8256 tokens at 1M context", chk_indexer, (8256, 1 << 20)),
+            *[(f"indexer_topk {fmt} served q, key pages past 4 GiB", chk_indexer, (64, 65536, fmt, 64, 512, True))
+              for fmt in ("indexer_fp8", "indexer_mxfp4")]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ def test_the_checks_pass_at_a_small_t():
         assert "elements" in tool.chk_output(10, 4, fp8, groups=2, o_lora=64, hidden=128)
     for key_format in ("indexer_fp8", "indexer_mxfp4"):  # 9 tokens at a 1K context: 256 entries, top-64
         assert "elements" in tool.chk_indexer(9, 1024, key_format, block=16, topk=64)
+        assert "GiB" in tool.chk_indexer(9, 1024, key_format, block=64, topk=64, far=True)
 
 
 def test_a_wrong_last_token_fails_each_check(monkeypatch):
@@ -79,3 +80,24 @@ def test_default_shape_is_past_2_31_elements_and_main_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         assert tool.main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+# The served path's key tiles (q exact in e4m3): fp8 keys through TMA boxes (their scales by pointer), mxfp4
+# keys through _mx_loads (tiles within a page at block 64); each variant drops one int64 promotion.
+SERVED_VARIANTS = {
+    "indexer_fp8": ("indexer_tma", "        base = (tl.maximum(page, 0).to(tl.int64) * page_stride",
+                    "        base = (tl.maximum(page, 0) * page_stride"),
+    "indexer_mxfp4": ("indexer_mx", "        page_base = tl.maximum(page, 0).to(tl.int64) * page_stride",
+                      "        page_base = tl.maximum(page, 0) * page_stride"),
+}
+
+
+@pytest.mark.parametrize("key_format", sorted(SERVED_VARIANTS))
+def test_far_served_indexer_catches_int32_page_offsets(key_format, tmp_path, monkeypatch):
+    from _triton_helpers import load_kernel_variant
+
+    module_name, old, new = SERVED_VARIANTS[key_format]
+    load_kernel_variant(module_name, old, new, tmp_path, monkeypatch, dependents=("indexer",))
+    assert "elements" in tool.chk_indexer(9, 1024, key_format, block=64, topk=64)  # near pages cannot tell
+    with pytest.raises(AssertionError):
+        tool.chk_indexer(9, 1024, key_format, block=64, topk=64, far=True)

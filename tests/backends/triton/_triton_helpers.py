@@ -1,7 +1,11 @@
 """Shared fixtures-as-functions of the Triton tests: random caches, tables and comparisons."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import math
+import sys
 
 import torch
 from dsv4.codecs import get_codec
@@ -91,3 +95,28 @@ def poisoned_like(cache: torch.Tensor) -> torch.Tensor:
     if cache.dtype == torch.bfloat16:
         return (torch.randn(cache.shape) * 3).to(torch.bfloat16)
     return torch.randn(cache.shape).to(cache.dtype)
+
+
+def load_kernel_variant(module_name: str, old: str, new: str, tmp_path, monkeypatch,
+                        dependents: tuple[str, ...] = ()) -> None:
+    """For one test, ``dsv4.backends.triton.<module_name>`` with its one occurrence of ``old`` replaced by
+    ``new`` (sys.modules and the package attribute, restored by monkeypatch), then ``dependents`` (modules
+    that import from it) executed again so that they bind the variant. Loaded from files: Triton reads a
+    kernel's source. Raises AssertionError where ``old`` is not there exactly once."""
+    import dsv4.backends.triton as package
+
+    def load(name: str, source: str) -> None:
+        full = f"dsv4.backends.triton.{name}"
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(full, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, full, module)  # its dataclasses and dependents look it up there
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(package, name, module)
+
+    source = inspect.getsource(importlib.import_module(f"dsv4.backends.triton.{module_name}"))
+    assert source.count(old) == 1, f"{module_name}: the text this variant replaces moved"
+    load(module_name, source.replace(old, new))
+    for name in dependents:
+        load(name, inspect.getsource(importlib.import_module(f"dsv4.backends.triton.{name}")))

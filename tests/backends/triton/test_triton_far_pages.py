@@ -3,13 +3,9 @@ Triton kernels under the interpreter, which wraps int32 as the GPU does: each te
 int64 promotion of a kernel module away, and the near case still passes while the far one fails."""
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
-
 import pytest
 import torch
-from dsv4.backends import triton as triton_backends
+from _triton_helpers import load_kernel_variant
 from dsv4.conformance.cases import default_cases
 from dsv4.conformance.golden import GoldenStore
 from dsv4.conformance.runner import run_case
@@ -23,7 +19,8 @@ MUTATIONS = {
                          "sparse_attention/csa/vllm/fp8_ds_mla/decode"),
     "qnorm_rope_insert": ("qnorm_rope_insert", "    slot64 = slot.to(tl.int64)\n", "    slot64 = slot.to(tl.int32)\n",
                           (), "qnorm_rope_insert/csa/vllm/fp8_ds_mla/mixed"),
-    # _key_tile: the keys of the interpreter's (and the bf16-MMA) path, fp8 and mxfp4
+    # _key_tile: the keys of the bf16 path, which the suite's random (not e4m3-exact) q takes; the served
+    # path's key tiles are tests/tools/test_large_tokens_check.py's
     "indexer_fp8": ("indexer", _KEY_TILE, _KEY_TILE.replace(".to(tl.int64)", ""), (),
                     "indexer_topk/csa/vllm/indexer_fp8/mixed"),
     "indexer_mxfp4": ("indexer", _KEY_TILE, _KEY_TILE.replace(".to(tl.int64)", ""), (),
@@ -34,19 +31,6 @@ MUTATIONS = {
 }
 
 
-def _load(module_name: str, source: str, tmp_path, monkeypatch) -> None:
-    """Execute ``source`` as ``dsv4.backends.triton.<module_name>`` for this test (sys.modules and the
-    package attribute, both restored by monkeypatch), from a file (Triton reads kernels' source)."""
-    full = f"dsv4.backends.triton.{module_name}"
-    path = tmp_path / f"{module_name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(full, path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, full, module)  # its dataclasses and dependents look it up there
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(triton_backends, module_name, module)
-
-
 @pytest.mark.parametrize("which", sorted(MUTATIONS))
 def test_far_run_catches_int32_page_offsets(which, tmp_path, monkeypatch):
     module_name, line, replacement, dependents, case_id = MUTATIONS[which]
@@ -55,11 +39,7 @@ def test_far_run_catches_int32_page_offsets(which, tmp_path, monkeypatch):
     store = GoldenStore()
     shipped = run_case(backend, case, torch.device("cpu"), store)
     assert shipped.outcome == "passed", shipped.summary()
-    source = inspect.getsource(importlib.import_module(f"dsv4.backends.triton.{module_name}"))
-    assert source.count(line) == 1, f"{module_name}: the promotion this test removes moved"
-    _load(module_name, source.replace(line, replacement), tmp_path, monkeypatch)
-    for name in dependents:
-        _load(name, inspect.getsource(importlib.import_module(f"dsv4.backends.triton.{name}")), tmp_path, monkeypatch)
+    load_kernel_variant(module_name, line, replacement, tmp_path, monkeypatch, dependents)
     row = run_case(backend, case, torch.device("cpu"), store)
     near = {k: m["passed"] for k, m in row.metrics.items() if not k.endswith("@far")}
     far = {k: m["passed"] for k, m in row.metrics.items() if k.endswith("@far")}
