@@ -198,3 +198,22 @@ def test_differential_mode_places_b_far():
         assert all(m["passed"] is not False for k, m in row.metrics.items() if not k.endswith("@far")), row.case
         assert any(m["passed"] is False for k, m in row.metrics.items() if k.endswith("@far")), row.case
     assert run_differential("reference", "high-bits-lost", cases, seed=3, registry=registry, far=False).passed
+
+
+class FarRaises(ReferenceBackend):
+    """Raises on caches of more than 1 GiB, as a backend out of device memory would."""
+
+    name = "far-raises"
+
+    def sparse_attention(self, q, swa_cache, *args, **kwargs):
+        if swa_cache.numel() * swa_cache.element_size() > 2**30:
+            raise RuntimeError("out of memory for the far caches")
+        return super().sparse_attention(q, swa_cache, *args, **kwargs)
+
+
+def test_a_far_run_that_raises_keeps_the_near_metrics():
+    case = select_cases(default_cases(), ["sparse_attention"], "csa and vllm and fp8_ds_mla and decode")[0]
+    row = run_case(FarRaises(), case, torch.device("cpu"), GoldenStore())
+    assert row.outcome == "failed"  # not "error": the near run's metrics are there
+    assert row.metrics["out"]["passed"] is True and row.metrics["lse"]["passed"] is True
+    assert row.metrics["run@far"] == {"passed": False, "reason": "RuntimeError: out of memory for the far caches"}
