@@ -156,7 +156,7 @@ def topk_scores(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token
             continue
         idx = entries[:count]
         slots = table[token_request[t], idx // block_size] * block_size + idx % block_size
-        # read where the cache lives: a far-placed cache is gigabytes, a row is 132 bytes
+        # read where the cache lives: a far-placed cache is gigabytes, the rows scored are a few KiB
         keys = codec.read_rows(key_cache.detach(), slots.to(key_cache.device)).cpu().double()  # [count, 128]
         logits = torch.relu(q[t] @ keys.T)  # [64, count]
         scores[t, :count] = (w[t].unsqueeze(1) * logits).sum(0)
