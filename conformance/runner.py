@@ -197,8 +197,12 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
         far = place_far(prepare_to(clone_prepared(prepared), device))
         actual = execute(far, getattr(backend, prepared.case.op))
     except Exception as exc:  # noqa: BLE001 - reported as the far run's failure
-        return {"run@far": {"passed": False, "reason": f"{type(exc).__name__}: {exc}"[:500]}}
+        return {"run@far": {"passed": False,
+                            "reason": f"with the pages past 4 GiB: {type(exc).__name__}: {exc}"[:500]}}
     metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
+    for m in metrics.values():  # the near run passed these inputs: say what differs here
+        if m.get("passed") is False and m.get("reason"):
+            m["reason"] = f"with the pages past 4 GiB (32-bit page arithmetic?): {m['reason']}"
     return {f"{name}@far": m for name, m in metrics.items()}
 
 

@@ -107,6 +107,7 @@ def test_the_far_run_fails_a_backend_that_drops_high_address_bits():
     result = run_suite(["high-bits-lost"], cases, registry=registry)
     for row in result.rows:
         assert row.outcome == "failed", row.case
+        assert "pages past 4 GiB" in row.summary(), row.summary()
         near = [name for name in row.metrics if not name.endswith("@far")]
         assert near and all(row.metrics[name]["passed"] is not False for name in near), row.case
         assert any(row.metrics[name]["passed"] is False for name in row.metrics if name.endswith("@far")), row.case
@@ -216,4 +217,5 @@ def test_a_far_run_that_raises_keeps_the_near_metrics():
     row = run_case(FarRaises(), case, torch.device("cpu"), GoldenStore())
     assert row.outcome == "failed"  # not "error": the near run's metrics are there
     assert row.metrics["out"]["passed"] is True and row.metrics["lse"]["passed"] is True
-    assert row.metrics["run@far"] == {"passed": False, "reason": "RuntimeError: out of memory for the far caches"}
+    assert row.metrics["run@far"] == {
+        "passed": False, "reason": "with the pages past 4 GiB: RuntimeError: out of memory for the far caches"}
