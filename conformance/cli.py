@@ -122,7 +122,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare backend B against A on fresh random inputs")
     p.add_argument("--seed", type=int, default=None, help="differential mode seed (default: random)")
     p.add_argument("--near-only", action="store_true",
-                   help="skip the far run of each paged case (pages past 4 GiB of their cache: up to ~12 GiB of "
+                   help="skip the far run of each paged case (pages past 16 GiB of their cache: up to ~32 GiB of "
                         "device memory a case)")
 
 

@@ -1,4 +1,4 @@
-"""Far placement: the same case with every paged cache's pages moved past 4 GiB of their tensor.
+"""Far placement: the same case with every paged cache's pages moved past 16 GiB of their tensor.
 
 A serving engine allocates one KV pool per layer group for the whole GPU, so the pages a step
 reads sit gigabytes past the pool's base. A kernel that forms a page's address in 32-bit
@@ -9,13 +9,16 @@ behind them, and every block-table entry and slot that addresses the cache moves
 The op's outputs must not change, and the written caches, read back behind the pad
 (``Prepared.leading``), must equal the near run's.
 
-The pad is chosen so that the case's pages start past 2**31 *elements* of the cache's dtype and
-past 4 GiB (a uint8 page also read through a bf16 view). A 32-bit byte offset of a uint8 cache then
-wraps to the pad's first megabytes: those, and the page just before the case's, are poisoned (NaN),
-so a wrapped read shows as a NaN and a wrapped write lands where no output is read. A 32-bit element
-offset in 2- or 4-byte units (a bf16 or fp32 cache, or such a view of a uint8 one) wraps negative, before
-the tensor: on a GPU that is an illegal address (the run errors), on the CPU a fault. The rest of the pad is left unwritten: on the CPU it is never touched (no memory is committed for it), on a GPU it is
-allocated (the far run of a case holds up to ~12 GiB; ``dsv4-conformance run --near-only`` skips it).
+The pad is chosen so that the case's pages start past 16 GiB (``FAR_MIN_BYTES``): past 2**31 units of
+1, 2 and 4 bytes, so a 32-bit offset overflows whether a kernel counts bytes, bf16 elements or int32 /
+fp32 words (a uint8 page is often read through such views: scales, word loads), and past 2**32 of them,
+so the overflowed offset wraps to the pad's first megabytes rather than before the tensor. Those
+megabytes, and the page just before the case's, are poisoned (NaN): a wrapped read shows as a NaN and a
+wrapped write lands where no output is read. 8-byte units (int64 views) wrap at 16 GiB and are caught
+only where their offset lands on poison. The rest of the pad is left unwritten: on the CPU it is never
+touched (no memory is committed for it); on a GPU it is allocated, ~16 GiB a paged cache and up to
+~32 GiB a case. Where that memory is not there the far run is reported as not run (``run@far``, not a
+failure); ``dsv4-conformance run --near-only`` skips it.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 
 __all__ = ["FAR_MIN_BYTES", "CachePages", "far_copy", "far_pad_blocks", "place_far"]
 
-FAR_MIN_BYTES = 2**32 + 2**20  # 4 GiB + 1 MiB: past any 32-bit byte or bf16-element offset
+FAR_MIN_BYTES = 2**34 + 2**20  # 16 GiB + 1 MiB: a 32-bit offset in 1-, 2- or 4-byte units wraps to the pad's start
 _WRAP_POISON_BYTES = 2**22  # a wrapped offset lands within the pad's first MiBs: poison them
 
 
@@ -44,11 +47,10 @@ class CachePages:
 
 
 def far_pad_blocks(cache: torch.Tensor) -> int:
-    """Leading pages to add before ``cache``'s pages: the first case page starts at or past both
-    ``FAR_MIN_BYTES`` and 2**31 elements (+1 MiB) of ``cache.dtype``."""
+    """Leading pages to add before ``cache``'s pages: the first case page starts at or past
+    ``FAR_MIN_BYTES`` (past 2**32 elements of every dtype up to 4 bytes)."""
     page_bytes = cache[0].numel() * cache.element_size()
-    start = max(FAR_MIN_BYTES, 2**31 * cache.element_size() + 2**20)
-    return -(-start // page_bytes)
+    return -(-FAR_MIN_BYTES // page_bytes)
 
 
 def far_copy(cache: torch.Tensor) -> tuple[torch.Tensor, int]:

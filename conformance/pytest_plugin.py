@@ -33,7 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run the dsv4 conformance suite on this backend (repeatable)")
     group.addoption("--dsv4-device", default="cpu", help="device for --dsv4-backend (default cpu)")
     group.addoption("--dsv4-near-only", action="store_true",
-                    help="skip each paged case's far run (its pages past 4 GiB of their cache)")
+                    help="skip each paged case's far run (its pages past 16 GiB of their cache)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

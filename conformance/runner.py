@@ -8,8 +8,8 @@ outcome and carries the reason in ``expected_failure``; it does not fail the run
 Expected outputs come from the stored goldens when they match this machine's inputs, else from
 the reference backend run live (``expected_source`` says which). Differential mode
 (:func:`run_differential`) compares two backends on fresh random inputs instead. In both, a case with
-paged caches runs a second time with its pages past 4 GiB of each cache (``placement.place_far``):
-metrics ``<output>@far``, or ``run@far`` where that run raised.
+paged caches runs a second time with its pages past 16 GiB of each cache (``placement.place_far``):
+metrics ``<output>@far``, or ``run@far`` where that run raised (failed) or found no memory (not run).
 """
 from __future__ import annotations
 
@@ -185,24 +185,31 @@ def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
     return "failed" if any(m.get("passed") is False for m in metrics.values()) else "passed"
 
 
+FAR_NOT_RUN = "far run not possible here (no memory for the far caches): "
+
+
 def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
-                 lse_required: bool) -> dict[str, dict[str, Any]]:
+                 lse_required: bool, near: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``prepared`` (unwritten CPU inputs) again with its pages placed far on ``device``, compared
-    against the same expected outputs; metrics named ``<output>@far``. An exception of the far run (the
-    backend's, or no memory for the far caches) is one failing metric ``run@far``: the near metrics stay."""
+    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
+    ``run@far`` not compared (``passed`` None); an exception of the backend there is ``run@far`` failed.
+    A far metric that fails where ``near``'s passed says so in its reason."""
     from dsv4.conformance.cases import prepare_to
     from dsv4.conformance.placement import place_far
 
     try:
         far = place_far(prepare_to(clone_prepared(prepared), device))
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
+    try:
         actual = execute(far, getattr(backend, prepared.case.op))
-    except Exception as exc:  # noqa: BLE001 - reported as the far run's failure
+    except Exception as exc:  # noqa: BLE001 - reported as the far run's failure; the near metrics stay
         return {"run@far": {"passed": False,
-                            "reason": f"with the pages past 4 GiB: {type(exc).__name__}: {exc}"[:500]}}
+                            "reason": f"with the pages past 16 GiB: {type(exc).__name__}: {exc}"[:500]}}
     metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
-    for m in metrics.values():  # the near run passed these inputs: say what differs here
-        if m.get("passed") is False and m.get("reason"):
-            m["reason"] = f"with the pages past 4 GiB (32-bit page arithmetic?): {m['reason']}"
+    for name, m in metrics.items():
+        if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
+            m["reason"] = f"with the pages past 16 GiB (32-bit page arithmetic?): {m['reason']}"
     return {f"{name}@far": m for name, m in metrics.items()}
 
 
@@ -210,7 +217,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
              expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] | None = None,
              far: bool = True) -> ResultRow:
     """Run one case on one backend and compare it. With ``far`` a case with paged caches runs a second
-    time with its pages past 4 GiB of each cache (``placement.place_far``), against the same expected
+    time with its pages past 16 GiB of each cache (``placement.place_far``), against the same expected
     outputs; those metrics are named ``<output>@far``."""
     row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
                     expected_failure=expected_failure_for(backend, case.id))
@@ -240,7 +247,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         lse_required = _lse_required(backend, case)
         row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
         if far and prepared.pages:
-            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required))
+            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics))
         row.outcome = _outcome(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
@@ -271,7 +278,7 @@ def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | Non
               device: str | torch.device = "cpu", registry: Registry | None = None,
               golden: GoldenStore | None = None, progress: Progress | None = None, far: bool = True) -> SuiteResult:
     """Run ``cases`` (default suite) on ``backends`` (default: every available one); ``far``: each case
-    with paged caches also runs with its pages past 4 GiB (``run_case``)."""
+    with paged caches also runs with its pages past 16 GiB (``run_case``)."""
     registry = registry or get_registry()
     device = torch.device(device)
     cases = list(default_cases() if cases is None else cases)
@@ -331,7 +338,7 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
                 if far and prepared.pages:
-                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse))
+                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics))
                 for name, want in returned_dtypes(run_a).items():  # B's dtypes are checked above; A's here
                     if name in out_a and out_a[name].dtype != want:
                         row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)

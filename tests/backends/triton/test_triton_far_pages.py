@@ -1,4 +1,4 @@
-"""The far run (pages past 4 GiB, conformance/placement.py) catches 32-bit page arithmetic in the real
+"""The far run (pages past 16 GiB, conformance/placement.py) catches 32-bit page arithmetic in the real
 Triton kernels under the interpreter, which wraps int32 as the GPU does: each test rewrites one
 int64 promotion of a kernel module away, and the near case still passes while the far one fails."""
 from __future__ import annotations
@@ -12,6 +12,11 @@ from dsv4.conformance.runner import run_case
 from dsv4.registry import get_registry
 
 _KEY_TILE = '    """\n    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride\n'
+_SCALE_LOAD = ("        scale = tl.load(f32_ptr + (page_base + scale_offset + in_page * scale_bytes) // 4, "
+               "mask=valid, other=0.0)\n")
+_SCALE_LOAD_INT32 = ("        page32 = tl.where(valid, page, 0).to(tl.int32)\n"
+                     "        scale = tl.load(f32_ptr + (page32 * (page_stride // 4) + (scale_offset + in_page * scale_bytes)"
+                     " // 4), mask=valid, other=0.0)\n")
 # name: (module of dsv4.backends.triton, its text promoting a page or slot to int64, what that becomes,
 # modules importing from it that must be loaded again, the case)
 MUTATIONS = {
@@ -25,6 +30,8 @@ MUTATIONS = {
                     "indexer_topk/csa/vllm/indexer_fp8/mixed"),
     "indexer_mxfp4": ("indexer", _KEY_TILE, _KEY_TILE.replace(".to(tl.int64)", ""), (),
                       "indexer_topk/csa/deepseek/indexer_mxfp4/mixed"),
+    # the fp8 key's scale, an fp32 word of a uint8 cache: its offset in 4-byte units formed in int32
+    "indexer_fp8_scale": ("indexer", _SCALE_LOAD, _SCALE_LOAD_INT32, (), "indexer_topk/csa/vllm/indexer_fp8/mixed"),
     "compressor_keys": ("compressor_finish", "        slot = out_slot.to(tl.int64)\n",
                         "        slot = out_slot.to(tl.int32)\n", ("compressor",),
                         "compress_insert/csa/vllm/indexer_fp8/indexer-multi-step"),
