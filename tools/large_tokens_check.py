@@ -1,5 +1,5 @@
 """Tokens past 2**31 elements, on the GPU: per-token tensors of more than 2**31 elements (and the served
-indexer path on key pages past 4 GiB).
+indexer path on key pages past 16 GiB).
 
 V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
 past 2**31 elements from T = 32769 on (a 32K-token chunked prefill); the indexer's logits [T, context / 4]
@@ -7,7 +7,7 @@ fp32 pass it past T = 8192 with a 1M context. A kernel that forms a token's offs
 as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it. Each check runs one
 Triton op at such a T and compares the last tokens' rows (and the first, which no overflow can move)
 against ``dsv4.reference`` on those rows alone, under the conformance suite's tolerances. The suite's
-far run (``conformance/placement.py``) covers pages past 4 GiB on every backend; tokens need a real T, so
+far run (``conformance/placement.py``) covers pages past 16 GiB on every backend; tokens need a real T, so
 this is a GPU tool (its CPU test runs the same checks at a small T under the interpreter).
 
     python3 tools/large_tokens_check.py [--tokens T] [--heads H]     (default: 128 heads, T = 2**31 / (H * 512) + 64)
@@ -113,7 +113,7 @@ def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", 
     """indexer_topk of one request's chunk of ``num_tokens`` at the end of ``context``: its logits
     ``[T, context / 4]`` fp32 pass 2**31 elements past T = 8192 at a 1M context. q and w come from
     ``indexer_q`` (the served path); the edge tokens' rows pass the suite's tie-aware rule on float64
-    scores. ``far``: the key pages past 4 GiB of their cache (``placement.far_copy``): the served path's
+    scores. ``far``: the key pages past 16 GiB of their cache (``placement.far_copy``): the served path's
     key tiles (fp8 MMAs, TMA boxes, mxfp4 decode), which the suite's random q does not reach."""
     from dsv4.conformance.metrics import check_topk, topk_scores
     from dsv4.conformance.placement import far_copy
@@ -153,7 +153,7 @@ def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
             ("output_projection bf16", chk_output, (num_tokens, heads, False)),
             ("output_projection fp8 activations", chk_output, (num_tokens, heads, True)),
             ("indexer_topk indexer_fp8, 8256 tokens at 1M context", chk_indexer, (8256, 1 << 20)),
-            *[(f"indexer_topk {fmt} served q, key pages past 4 GiB", chk_indexer, (64, 65536, fmt, 64, 512, True))
+            *[(f"indexer_topk {fmt} served q, key pages past 16 GiB", chk_indexer, (64, 65536, fmt, 64, 512, True))
               for fmt in ("indexer_fp8", "indexer_mxfp4")]]
 
 
