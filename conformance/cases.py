@@ -251,6 +251,11 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
     q = _randn(g, len(pos), cfg.index_n_heads, cfg.index_head_dim, dtype=torch.bfloat16)
     w = _randn(g, len(pos), cfg.index_n_heads, scale=0.1)
     positions, token_request = torch.tensor(pos, dtype=torch.int64), torch.tensor(req, dtype=torch.int32)
+    if case.variant == "served":  # q and w as a layer serves them: the profile's indexer_q (quantized q)
+        from dsv4.reference import indexer_q
+
+        q, w = indexer_q((q.float() * 3).to(torch.bfloat16), (w * 10).to(torch.bfloat16), positions,
+                         _cos_sin(cfg, case.kind), profile=case.profile)
     args = (q, w, positions, token_request, key_cache, table)
     return Prepared(case, [(args, {"topk": topk, "key_format": key_format, "ratio": ratio})], returns=("topk",),
                     check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK},
@@ -356,6 +361,8 @@ def default_cases() -> list[Case]:
         cases.append(Case("compress_insert", "csa", profile, prof.indexer_key_format, "indexer-multi-step"))
         cases.append(Case("indexer_q", "csa", profile, "-", "mixed"))
         cases.append(Case("indexer_topk", "csa", profile, prof.indexer_key_format, "mixed"))
+        # q quantized by the profile (fp8 / fp4 codes): the fast paths that random bf16 q does not take
+        cases.append(Case("indexer_topk", "csa", profile, prof.indexer_key_format, "served"))
         for kind in ("swa", "hca", "csa"):
             for variant in ("prefill", "decode"):
                 cases.append(Case("sparse_attention", kind, profile, prof.kv_format, variant))

@@ -12,6 +12,7 @@ from dsv4.conformance.runner import run_case
 from dsv4.registry import get_registry
 
 _KEY_TILE = '    """\n    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride\n'
+_KEY_ROWS = "    in_page = j % block_size\n    page_base = tl.where(valid, page, 0).to(tl.int64) * page_stride\n"
 _SCALE_LOAD = ("        scale = tl.load(f32_ptr + (page_base + scale_offset + in_page * scale_bytes) // 4, "
                "mask=valid, other=0.0)\n")
 _SCALE_LOAD_INT32 = ("        page32 = tl.where(valid, page, 0).to(tl.int32)\n"
@@ -32,6 +33,9 @@ MUTATIONS = {
                       "indexer_topk/csa/deepseek/indexer_mxfp4/mixed"),
     # the fp8 key's scale, an fp32 word of a uint8 cache: its offset in 4-byte units formed in int32
     "indexer_fp8_scale": ("indexer", _SCALE_LOAD, _SCALE_LOAD_INT32, (), "indexer_topk/csa/vllm/indexer_fp8/mixed"),
+    # _key_rows: the served (e4m3-exact q) path's key addresses where a tile crosses pages (block 16)
+    "indexer_served": ("indexer_mx", _KEY_ROWS, _KEY_ROWS.replace(".to(tl.int64)", ""), ("indexer",),
+                       "indexer_topk/csa/vllm/indexer_fp8/served"),
     "compressor_keys": ("compressor_finish", "        slot = out_slot.to(tl.int64)\n",
                         "        slot = out_slot.to(tl.int32)\n", ("compressor",),
                         "compress_insert/csa/vllm/indexer_fp8/indexer-multi-step"),
