@@ -189,6 +189,13 @@ def _print_results(result: Any) -> None:
     counts = {**result.counts(), **{k: v for k, v in expectation_counts(result.rows).items() if v}}
     color = "green" if result.passed else "red"
     console.print(f"[{color}]" + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()) + "[/]")
+    from dsv4.conformance.runner import far_not_run
+
+    not_run = [reason for row in result.rows if (reason := far_not_run(row.metrics))]
+    if not_run:
+        console.print("[yellow]" + _escape(f"{len(not_run)} case(s) could not run with their pages past 16 GiB here, "
+                                           f"so addresses past 32 bits are unchecked (first: {not_run[0][:160]}); "
+                                           "--near-only skips the far run") + "[/]")
 
 
 def _nothing_ran(result: Any) -> str:

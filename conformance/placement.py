@@ -14,8 +14,8 @@ The pad is chosen so that the case's pages start past 16 GiB (``FAR_MIN_BYTES``)
 fp32 words (a uint8 page is often read through such views: scales, word loads), and past 2**32 of them,
 so the overflowed offset wraps to the pad's first megabytes rather than before the tensor. Those
 megabytes, and the page just before the case's, are poisoned (NaN): a wrapped read shows as a NaN and a
-wrapped write lands where no output is read. 8-byte units (int64 views) wrap at 16 GiB and are caught
-only where their offset lands on poison. The rest of the pad is left unwritten: on the CPU it is never
+wrapped write lands where no output is read. A 32-bit offset in 8-byte units (an int64 view) goes
+negative, 16 GiB before the tensor: a fault on a GPU, undefined under the interpreter. The rest of the pad is left unwritten: on the CPU it is never
 touched (no memory is committed for it); on a GPU it is allocated, ~16 GiB a paged cache and up to
 ~32 GiB a case. Where that memory is not there the far run is reported as not run (``run@far``, not a
 failure); ``dsv4-conformance run --near-only`` skips it.

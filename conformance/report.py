@@ -7,11 +7,11 @@ versions, plugin, capabilities; plugins that failed to load appear with status `
 ``seconds``, ``reasons``, ``expected_failure``, ``expected_source``, ``params``, and
 ``unexpected_pass``: a row listed as an expected failure that passed, XPASS), ``summary``
 (counts per outcome, ``passed_all``, ``expected_failures``: rows that failed or errored as
-expected, ``unexpected_passes``).
+expected, ``unexpected_passes``, ``far_not_run``: rows whose far run found no memory here).
 
 JUnit: a failure or error listed as expected is ``<skipped message="expected failure: ...">``
 (pytest's xfail), not a failure; an unexpected pass is a passing testcase whose ``system-out``
-says so. Characters XML 1.0 cannot hold (ANSI escapes, other control characters) are removed
+says so, as does one whose far run could not run. Characters XML 1.0 cannot hold (ANSI escapes, other control characters) are removed
 from every attribute and text.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dsv4.conformance.runner import SuiteResult
+from dsv4.conformance.runner import SuiteResult, far_not_run
 
 __all__ = [
     "REPORT_SCHEMA",
@@ -107,7 +107,8 @@ def build_report(result: SuiteResult) -> dict[str, Any]:
         "environment": environment(result.device),
         "backends": result.backends,
         "results": rows,
-        "summary": {**counts, "total": len(result.rows), "passed_all": result.passed, **expectation_counts(rows)},
+        "summary": {**counts, "total": len(result.rows), "passed_all": result.passed, **expectation_counts(rows),
+                    "far_not_run": sum(bool(far_not_run(row["metrics"])) for row in rows)},
     }
 
 
@@ -180,6 +181,8 @@ def _testcase(suite: ET.Element, backend: str, row: dict[str, Any]) -> None:
         _element(case, "error", "\n".join(row["reasons"]), message=message, type="exception")
     elif row["outcome"] in ("skipped", "unsupported"):
         _element(case, "skipped", message=f"{row['outcome']}: {message}")
+    if row["outcome"] == "passed" and far_not_run(row["metrics"]):
+        _element(case, "system-out", far_not_run(row["metrics"]))
 
 
 def _message(row: dict[str, Any]) -> str:

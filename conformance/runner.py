@@ -46,6 +46,7 @@ __all__ = [
     "SuiteResult",
     "compare_outputs",
     "expected_failure_for",
+    "far_not_run",
     "run_differential",
     "run_suite",
     "unmatched_expected_failures",
@@ -80,7 +81,7 @@ class ResultRow:
             return "; ".join(self.reasons)[:300]
         bad = [(name, m) for name, m in self.metrics.items() if isinstance(m, dict) and m.get("passed") is False]
         if not bad:
-            return ""
+            return far_not_run(self.metrics)[:300]
         name, m = bad[0]
         where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
         return f"{self.op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
@@ -186,24 +187,38 @@ def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
 
 
 FAR_NOT_RUN = "far run not possible here (no memory for the far caches): "
+_NO_MEMORY_TEXT = ("can't allocate memory", "out of memory")
+
+
+def _no_memory(exc: BaseException) -> bool:
+    """An allocation that the machine cannot serve (host or device), not a bug."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _NO_MEMORY_TEXT)
+
+
+def far_not_run(metrics: dict[str, dict[str, Any]]) -> str:
+    """The reason the far run of a row's case could not run here ("" where it ran or was not asked)."""
+    far = metrics.get("run@far")
+    return far.get("reason", "") if isinstance(far, dict) and far.get("passed") is None else ""
 
 
 def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
                  lse_required: bool, near: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``prepared`` (unwritten CPU inputs) again with its pages placed far on ``device``, compared
-    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
-    ``run@far`` not compared (``passed`` None); an exception of the backend there is ``run@far`` failed.
-    A far metric that fails where ``near``'s passed says so in its reason."""
+    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches (or
+    for the backend beside them) is ``run@far`` not run (``passed`` None, see ``far_not_run``); any other
+    exception there is ``run@far`` failed, and the near metrics stay. A far metric that fails where
+    ``near``'s passed says so in its reason."""
     from dsv4.conformance.cases import prepare_to
     from dsv4.conformance.placement import place_far
 
     try:
         far = place_far(prepare_to(clone_prepared(prepared), device))
-    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
-    try:
         actual = execute(far, getattr(backend, prepared.case.op))
-    except Exception as exc:  # noqa: BLE001 - reported as the far run's failure; the near metrics stay
+    except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
+        if _no_memory(exc):
+            return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
                             "reason": f"with the pages past 16 GiB: {type(exc).__name__}: {exc}"[:500]}}
     metrics = compare_outputs(far, actual, expected, lse_required=lse_required)

@@ -204,13 +204,16 @@ def test_differential_mode_places_b_far():
 
 
 class FarRaises(ReferenceBackend):
-    """Raises on caches of more than 1 GiB, as a backend out of device memory would."""
+    """Raises on caches of more than 1 GiB: ``error`` (a RuntimeError's text)."""
 
     name = "far-raises"
 
+    def __init__(self, error: str = "CUDA error: an illegal memory access was encountered") -> None:
+        self.error = error
+
     def sparse_attention(self, q, swa_cache, *args, **kwargs):
         if swa_cache.numel() * swa_cache.element_size() > 2**30:
-            raise RuntimeError("out of memory for the far caches")
+            raise RuntimeError(self.error)
         return super().sparse_attention(q, swa_cache, *args, **kwargs)
 
 
@@ -220,7 +223,12 @@ def test_a_far_run_that_raises_keeps_the_near_metrics():
     assert row.outcome == "failed"  # not "error": the near run's metrics are there
     assert row.metrics["out"]["passed"] is True and row.metrics["lse"]["passed"] is True
     assert row.metrics["run@far"] == {
-        "passed": False, "reason": "with the pages past 16 GiB: RuntimeError: out of memory for the far caches"}
+        "passed": False,
+        "reason": "with the pages past 16 GiB: RuntimeError: CUDA error: an illegal memory access was encountered"}
+    # the backend out of memory beside the far caches: not run, not failed
+    row = run_case(FarRaises("CUDA out of memory. Tried to allocate 2.00 GiB"), case, torch.device("cpu"),
+                   GoldenStore())
+    assert row.outcome == "passed" and row.metrics["run@far"]["passed"] is None
 
 
 
@@ -252,3 +260,58 @@ def test_a_far_metric_blames_the_placement_only_where_the_near_one_passed():
     assert row.metrics["out"]["passed"] is False and row.metrics["out@far"]["passed"] is False
     assert "pages past" not in row.metrics["out@far"]["reason"]
     assert row.metrics["lse@far"]["passed"] is True
+
+
+
+@pytest.mark.parametrize("error,not_run", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB"), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"), True),
+    (MemoryError(), True),
+    (RuntimeError("shape '[2, 2]' is invalid for input of size 3"), False),  # a placement bug is a failure
+    (ValueError("one index tensor addresses two paged caches"), False),
+])
+def test_only_a_missing_allocation_makes_the_far_run_not_run(error, not_run, monkeypatch):
+    from dsv4.conformance import placement
+    from dsv4.conformance.runner import far_not_run
+
+    def place_far(prepared):
+        raise error
+
+    monkeypatch.setattr(placement, "place_far", place_far)
+    case = select_cases(default_cases(), ["sparse_attention"], "csa and vllm and fp8_ds_mla and decode")[0]
+    row = run_case(ReferenceBackend(), case, torch.device("cpu"), GoldenStore())
+    assert row.metrics["out"]["passed"] is True  # the near run's verdict stays either way
+    assert row.metrics["run@far"]["passed"] is (None if not_run else False)
+    assert row.outcome == ("passed" if not_run else "failed")
+    assert bool(far_not_run(row.metrics)) is not_run
+
+
+def test_a_far_run_that_could_not_run_is_visible_everywhere(monkeypatch, tmp_path, capsys, recwarn):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _cli_helpers import cli_registry
+    from dsv4.conformance import placement
+    from dsv4.conformance.cli import main
+    from dsv4.conformance.report import junit_xml
+
+    def no_memory(prepared):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    monkeypatch.setattr(placement, "place_far", no_memory)
+    cli_registry(monkeypatch)
+    report_path = tmp_path / "r.json"
+    argv = ["run", "--backend", "reference", "--op", "indexer_topk", "-k", "vllm", "--json", str(report_path)]
+    assert main(argv) == 0  # the near verdicts pass; the missing far run is said, not failed
+    out = capsys.readouterr().out
+    assert "could not run with their pages past 16 GiB" in " ".join(out.split())
+    report = json.loads(report_path.read_text())
+    rows = report["results"]
+    assert report["summary"]["far_not_run"] == len(rows) > 0
+    assert "far run not possible here" in junit_xml(report)
+    from dsv4.conformance.runner import ResultRow
+
+    row = ResultRow(**{k: rows[0][k] for k in ("backend", "op", "case", "outcome", "metrics")})
+    assert row.summary().startswith("far run not possible here")

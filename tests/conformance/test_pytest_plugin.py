@@ -55,3 +55,15 @@ def test_near_only_drops_the_far_run(pytester, near_only):
     for r in reports:
         row = json.loads(dict(r.user_properties)["dsv4_row"])
         assert ("topk@far" in row["metrics"]) is not near_only
+
+
+def test_a_far_run_that_could_not_run_warns(pytester, monkeypatch):
+    from dsv4.conformance import placement
+
+    def no_memory(prepared):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    monkeypatch.setattr(placement, "place_far", no_memory)
+    result = pytester.runpytest_inprocess("--dsv4-backend", "reference", "-k", "indexer_topk and vllm and mixed")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*far run not possible here (no memory for the far caches)*"])
