@@ -193,7 +193,9 @@ def _print_results(result: Any) -> None:
 
     not_run = [reason for row in result.rows if (reason := far_not_run(row.metrics))]
     if not_run:
-        console.print("[yellow]" + _escape(f"{len(not_run)} case(s) could not run with their pages past 16 GiB here, "
+        from dsv4.conformance.placement import FAR_PAGES
+
+        console.print("[yellow]" + _escape(f"{len(not_run)} case(s) could not run with their {FAR_PAGES} here, "
                                            f"so addresses past 32 bits are unchecked (first: {not_run[0][:160]}); "
                                            "--near-only skips the far run") + "[/]")
 

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAR_MIN_BYTES", "CachePages", "far_copy", "far_pad_blocks", "place_far"]
+__all__ = ["FAR_MIN_BYTES", "FAR_PAGES", "CachePages", "far_copy", "far_pad_blocks", "place_far"]
 
 FAR_MIN_BYTES = 2**34 + 2**20  # 16 GiB + 1 MiB: a 32-bit offset in 1-, 2- or 4-byte units wraps to the pad's start
+FAR_PAGES = f"pages past {FAR_MIN_BYTES >> 30} GiB"  # how messages name the placement
 _WRAP_POISON_BYTES = 2**22  # a wrapped offset lands within the pad's first MiBs: poison them
 
 

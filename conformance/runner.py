@@ -34,6 +34,7 @@ from dsv4.conformance.cases import (
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
+from dsv4.conformance.placement import FAR_PAGES
 from dsv4.conformance.tolerances import tolerance_for
 from dsv4.ops.dispatch import arch_of
 from dsv4.ops.library import request_fields
@@ -220,11 +221,11 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
         if _no_memory(exc):
             return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
-                            "reason": f"with the pages past 16 GiB: {type(exc).__name__}: {exc}"[:500]}}
+                            "reason": f"with the {FAR_PAGES}: {type(exc).__name__}: {exc}"[:500]}}
     metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
     for name, m in metrics.items():
         if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
-            m["reason"] = f"with the pages past 16 GiB (32-bit page arithmetic?): {m['reason']}"
+            m["reason"] = f"with the {FAR_PAGES} (32-bit page arithmetic?): {m['reason']}"
     return {f"{name}@far": m for name, m in metrics.items()}
 
 
