@@ -27,10 +27,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAR_MIN_BYTES", "FAR_PAGES", "CachePages", "far_copy", "far_pad_blocks", "place_far"]
+__all__ = ["FAR_GIB", "FAR_GIB_CHOICES", "FAR_MIN_BYTES", "CachePages", "far_copy", "far_pad_blocks", "far_pages",
+           "place_far"]
 
-FAR_MIN_BYTES = 2**34 + 2**20  # 16 GiB + 1 MiB: a 32-bit offset in 1-, 2- or 4-byte units wraps to the pad's start
-FAR_PAGES = f"pages past {FAR_MIN_BYTES >> 30} GiB"  # how messages name the placement
+FAR_GIB = 16  # the default: a 32-bit offset in 1-, 2- or 4-byte units wraps to the pad's start
+# A smaller pad for a device without ~2 x 16 GiB to spare: 8 catches 1- and 2-byte units onto the poison
+# (4-byte ones go negative, before the tensor); 4 catches 32-bit byte offsets only.
+FAR_GIB_CHOICES = (4, 8, 16)
+FAR_MIN_BYTES = (FAR_GIB << 30) + 2**20  # where the case's pages start at the default: 16 GiB + 1 MiB
 _WRAP_POISON_BYTES = 2**22  # a wrapped offset lands within the pad's first MiBs: poison them
 
 
@@ -47,18 +51,25 @@ class CachePages:
     slots: tuple[int, ...] = ()
 
 
-def far_pad_blocks(cache: torch.Tensor) -> int:
-    """Leading pages to add before ``cache``'s pages: the first case page starts at or past
-    ``FAR_MIN_BYTES`` (past 2**32 elements of every dtype up to 4 bytes)."""
+def far_pages(gib: int = FAR_GIB) -> str:
+    """How messages name the placement: ``"pages past 16 GiB"``."""
+    return f"pages past {gib} GiB"
+
+
+def far_pad_blocks(cache: torch.Tensor, gib: int = FAR_GIB) -> int:
+    """Leading pages to add before ``cache``'s pages: the first case page starts at or past ``gib`` GiB
+    + 1 MiB (one of ``FAR_GIB_CHOICES``; the default 16 is past 2**32 elements of every dtype up to 4 bytes)."""
+    if gib not in FAR_GIB_CHOICES:
+        raise ValueError(f"far placement: gib must be one of {FAR_GIB_CHOICES}, got {gib!r}")
     page_bytes = cache[0].numel() * cache.element_size()
-    return -(-FAR_MIN_BYTES // page_bytes)
+    return -(-((gib << 30) + 2**20) // page_bytes)
 
 
-def far_copy(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+def far_copy(cache: torch.Tensor, gib: int = FAR_GIB) -> tuple[torch.Tensor, int]:
     """``(far, pad)``: ``far`` is ``[pad + n, ...]`` of ``cache``'s dtype on its device with ``cache`` copied
-    behind ``pad = far_pad_blocks(cache)`` pages (the wrap region and the page before poisoned); page ``i``
-    of ``cache`` is page ``pad + i`` of ``far``."""
-    pad = far_pad_blocks(cache)
+    behind ``pad = far_pad_blocks(cache, gib)`` pages (the wrap region and the page before poisoned); page
+    ``i`` of ``cache`` is page ``pad + i`` of ``far``."""
+    pad = far_pad_blocks(cache, gib)
     return _far_cache(cache, pad), pad
 
 
@@ -80,9 +91,9 @@ def _shift(index: torch.Tensor, by: int) -> torch.Tensor:
     return torch.where(index >= 0, index + by, index)
 
 
-def place_far(prepared: Any) -> Any:
-    """A new ``Prepared`` whose paged caches (``prepared.pages``) sit behind a pad (see the module
-    docstring). The input is not modified; tensors not named in ``pages`` are shared with it.
+def place_far(prepared: Any, gib: int = FAR_GIB) -> Any:
+    """A new ``Prepared`` whose paged caches (``prepared.pages``) sit behind a pad of ``gib`` GiB (see the
+    module docstring). The input is not modified; tensors not named in ``pages`` are shared with it.
     Raises ``ValueError`` on a case without paged caches."""
     if not prepared.pages:
         raise ValueError(f"{prepared.case.id}: no paged cache to place far")
@@ -99,7 +110,7 @@ def place_far(prepared: Any) -> Any:
 
     for cache_index, pages in prepared.pages.items():
         cache = args0[cache_index]
-        replaced[id(cache)], pad = far_copy(cache)
+        replaced[id(cache)], pad = far_copy(cache, gib)
         leading[cache_index] = pad
         for step_args, _ in prepared.steps:
             for index in pages.tables:

@@ -34,6 +34,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dsv4-device", default="cpu", help="device for --dsv4-backend (default cpu)")
     group.addoption("--dsv4-near-only", action="store_true",
                     help="skip each paged case's far run (its pages past 16 GiB of their cache)")
+    group.addoption("--dsv4-far-gib", type=int, choices=(4, 8, 16), default=16,
+                    help="where the far run puts the pages (default 16; 8 or 4 for less device memory)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,7 +78,8 @@ class ConformanceItem(pytest.Item):
             pytest.skip(f"backend {self.backend_name} unavailable: {'; '.join(probe)}")
         store = self.shared.setdefault("golden", GoldenStore())
         row = run_case(registry.get(self.backend_name), self.case, torch.device(self.device), store,
-                       self.shared.setdefault("expected", {}), far=not self.config.getoption("--dsv4-near-only"))
+                       self.shared.setdefault("expected", {}), far=not self.config.getoption("--dsv4-near-only"),
+                       far_gib=self.config.getoption("--dsv4-far-gib"))
         self.user_properties.append(("dsv4_row", json.dumps(row.as_dict(), default=str)))
         from dsv4.conformance.runner import far_not_run
 

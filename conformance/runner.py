@@ -34,7 +34,7 @@ from dsv4.conformance.cases import (
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
-from dsv4.conformance.placement import FAR_PAGES
+from dsv4.conformance.placement import FAR_GIB, far_pages
 from dsv4.conformance.tolerances import tolerance_for
 from dsv4.ops.dispatch import arch_of
 from dsv4.ops.library import request_fields
@@ -205,8 +205,8 @@ def far_not_run(metrics: dict[str, dict[str, Any]]) -> str:
 
 
 def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
-                 lse_required: bool, near: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``prepared`` (unwritten CPU inputs) again with its pages placed far on ``device``, compared
+                 lse_required: bool, near: dict[str, dict[str, Any]], gib: int) -> dict[str, dict[str, Any]]:
+    """``prepared`` (unwritten CPU inputs) again with its pages placed ``gib`` GiB far on ``device``, compared
     against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches (or
     for the backend beside them) is ``run@far`` not run (``passed`` None, see ``far_not_run``); any other
     exception there is ``run@far`` failed, and the near metrics stay. A far metric that fails where
@@ -215,26 +215,26 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
     from dsv4.conformance.placement import place_far
 
     try:
-        far = place_far(prepare_to(clone_prepared(prepared), device))
+        far = place_far(prepare_to(clone_prepared(prepared), device), gib)
         actual = execute(far, getattr(backend, prepared.case.op))
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
             return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
-                            "reason": f"with the {FAR_PAGES}: {type(exc).__name__}: {exc}"[:500]}}
+                            "reason": f"with the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
     metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
     for name, m in metrics.items():
         if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
-            m["reason"] = f"with the {FAR_PAGES} (32-bit page arithmetic?): {m['reason']}"
+            m["reason"] = f"with the {far_pages(gib)} (32-bit page arithmetic?): {m['reason']}"
     return {f"{name}@far": m for name, m in metrics.items()}
 
 
 def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenStore | None,
              expected_cache: dict[str, tuple[dict[str, torch.Tensor], str]] | None = None,
-             far: bool = True) -> ResultRow:
+             far: bool = True, far_gib: int = FAR_GIB) -> ResultRow:
     """Run one case on one backend and compare it. With ``far`` a case with paged caches runs a second
-    time with its pages past 16 GiB of each cache (``placement.place_far``), against the same expected
-    outputs; those metrics are named ``<output>@far``."""
+    time with its pages past ``far_gib`` GiB of each cache (``placement.place_far``), against the same
+    expected outputs; those metrics are named ``<output>@far``."""
     row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
                     expected_failure=expected_failure_for(backend, case.id))
     start = time.perf_counter()
@@ -263,7 +263,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         lse_required = _lse_required(backend, case)
         row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
         if far and prepared.pages:
-            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics))
+            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
         row.outcome = _outcome(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
@@ -292,9 +292,10 @@ def backend_statuses(registry: Registry) -> dict[str, dict[str, Any]]:
 
 def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | None = None,
               device: str | torch.device = "cpu", registry: Registry | None = None,
-              golden: GoldenStore | None = None, progress: Progress | None = None, far: bool = True) -> SuiteResult:
+              golden: GoldenStore | None = None, progress: Progress | None = None, far: bool = True,
+              far_gib: int = FAR_GIB) -> SuiteResult:
     """Run ``cases`` (default suite) on ``backends`` (default: every available one); ``far``: each case
-    with paged caches also runs with its pages past 16 GiB (``run_case``)."""
+    with paged caches also runs with its pages past ``far_gib`` GiB (``run_case``)."""
     registry = registry or get_registry()
     device = torch.device(device)
     cases = list(default_cases() if cases is None else cases)
@@ -313,7 +314,7 @@ def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | Non
                 row = ResultRow(backend=name, op=case.op, case=case.id, outcome="skipped", reasons=list(probe),
                                 params=case.as_dict())
             else:
-                row = run_case(backend, case, device, golden, expected_cache, far=far)
+                row = run_case(backend, case, device, golden, expected_cache, far=far, far_gib=far_gib)
             rows.append(row)
             if progress is not None:
                 progress(name, case.id, row.outcome)
@@ -322,7 +323,7 @@ def run_suite(backends: Sequence[str] | None = None, cases: Sequence[Case] | Non
 
 def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | None = None, seed: int | None = None,
                      device: str | torch.device = "cpu", registry: Registry | None = None,
-                     progress: Progress | None = None, far: bool = True) -> SuiteResult:
+                     progress: Progress | None = None, far: bool = True, far_gib: int = FAR_GIB) -> SuiteResult:
     """Backend B against backend A on fresh random inputs (``seed`` or random), same tolerances; ``far``:
     B again with the pages placed far, against A's near outputs (metrics ``<output>@far``)."""
     registry = registry or get_registry()
@@ -354,7 +355,7 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
                 if far and prepared.pages:
-                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics))
+                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 for name, want in returned_dtypes(run_a).items():  # B's dtypes are checked above; A's here
                     if name in out_a and out_a[name].dtype != want:
                         row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)

@@ -235,7 +235,7 @@ def test_a_far_run_that_raises_keeps_the_near_metrics():
 def test_no_memory_for_the_far_caches_is_not_run_not_failed(monkeypatch):
     from dsv4.conformance import placement
 
-    def no_memory(prepared):
+    def no_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
 
     monkeypatch.setattr(placement, "place_far", no_memory)
@@ -274,7 +274,7 @@ def test_only_a_missing_allocation_makes_the_far_run_not_run(error, not_run, mon
     from dsv4.conformance import placement
     from dsv4.conformance.runner import far_not_run
 
-    def place_far(prepared):
+    def place_far(*args):
         raise error
 
     monkeypatch.setattr(placement, "place_far", place_far)
@@ -297,7 +297,7 @@ def test_a_far_run_that_could_not_run_is_visible_everywhere(monkeypatch, tmp_pat
     from dsv4.conformance.cli import main
     from dsv4.conformance.report import junit_xml
 
-    def no_memory(prepared):
+    def no_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
 
     monkeypatch.setattr(placement, "place_far", no_memory)
@@ -306,7 +306,7 @@ def test_a_far_run_that_could_not_run_is_visible_everywhere(monkeypatch, tmp_pat
     argv = ["run", "--backend", "reference", "--op", "indexer_topk", "-k", "vllm", "--json", str(report_path)]
     assert main(argv) == 0  # the near verdicts pass; the missing far run is said, not failed
     out = capsys.readouterr().out
-    assert "could not run with their pages past 16 GiB" in " ".join(out.split())
+    assert "could not run with their pages placed far here" in " ".join(out.split())
     report = json.loads(report_path.read_text())
     rows = report["results"]
     assert report["summary"]["far_not_run"] == len(rows) > 0
@@ -315,3 +315,51 @@ def test_a_far_run_that_could_not_run_is_visible_everywhere(monkeypatch, tmp_pat
 
     row = ResultRow(**{k: rows[0][k] for k in ("backend", "op", "case", "outcome", "metrics")})
     assert row.summary().startswith("far run not possible here")
+
+
+def test_the_far_gib_options_are_placements_choices():
+    """The CLI and the pytest plugin spell the choices without importing torch at parse time: held equal."""
+    import argparse
+
+    from dsv4.conformance import pytest_plugin
+    from dsv4.conformance.cli import _run_arguments
+    from dsv4.conformance.placement import FAR_GIB, FAR_GIB_CHOICES
+
+    parser = argparse.ArgumentParser()
+    _run_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "far_gib")
+    assert tuple(action.choices) == FAR_GIB_CHOICES and action.default == FAR_GIB
+
+    class Group:
+        def __init__(self):
+            self.options = {}
+
+        def addoption(self, name, **kwargs):
+            self.options[name] = kwargs
+
+    class Parser:
+        group = Group()
+
+        def getgroup(self, *args):
+            return self.group
+
+    parser = Parser()
+    pytest_plugin.pytest_addoption(parser)
+    option = parser.group.options["--dsv4-far-gib"]
+    assert tuple(option["choices"]) == FAR_GIB_CHOICES and option["default"] == FAR_GIB
+
+
+@pytest.mark.parametrize("gib", [4, 8, 16])
+def test_a_smaller_pad_places_pages_past_its_gib_and_catches_byte_offsets(gib):
+    case = select_cases(default_cases(), ["sparse_attention"], "csa and vllm and fp8_ds_mla and decode")[0]
+    prepared = prepare(case)
+    far = place_far(prepared, gib)
+    cache = prepared.steps[0][0][1]
+    page_bytes = cache[0].numel() * cache.element_size()
+    assert far.leading[1] * page_bytes >= (gib << 30) and far.leading[1] == far_pad_blocks(cache, gib)
+    registry = Registry()
+    registry.register_backend(HighBitsLost())
+    row = run_suite(["high-bits-lost"], [case], registry=registry, far_gib=gib).rows[0]
+    assert row.outcome == "failed" and f"pages past {gib} GiB" in row.summary()
+    with pytest.raises(ValueError, match="one of"):
+        place_far(prepared, 5)

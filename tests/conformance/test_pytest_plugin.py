@@ -60,7 +60,7 @@ def test_near_only_drops_the_far_run(pytester, near_only):
 def test_a_far_run_that_could_not_run_warns(pytester, monkeypatch):
     from dsv4.conformance import placement
 
-    def no_memory(prepared):
+    def no_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
 
     monkeypatch.setattr(placement, "place_far", no_memory)
