@@ -18,7 +18,8 @@ wrapped write lands where no output is read. A 32-bit offset in 8-byte units (an
 negative, 16 GiB before the tensor: a fault on a GPU, undefined under the interpreter. The rest of the pad is left unwritten: on the CPU it is never
 touched (no memory is committed for it); on a GPU it is allocated, ~16 GiB a paged cache and up to
 ~32 GiB a case. Where that memory is not there the far run is reported as not run (``run@far``, not a
-failure); ``dsv4-conformance run --near-only`` skips it.
+failure). ``gib`` (``--far-gib 8`` or ``4``) places the pages nearer for less memory, catching 32-bit
+offsets in bytes and 2-byte units, or in bytes only; ``--near-only`` skips the far run.
 """
 from __future__ import annotations
 
