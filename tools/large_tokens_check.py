@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "backends" / "triton"))
 
-from _triton_helpers import assert_cache_equivalent, assert_close
+from _triton_helpers import assert_cache_equivalent, assert_close, cos_sin_table
 from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
 from dsv4.codecs import get_codec
@@ -36,9 +36,7 @@ EDGE = 4  # tokens compared at each end
 
 
 def _cos_sin(positions: int) -> torch.Tensor:
-    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv
-    return torch.cat([angles.cos(), angles.sin()], 1).float().to(DEV)
+    return cos_sin_table(positions).to(DEV)
 
 
 def _edges(num_tokens: int) -> torch.Tensor:
