@@ -257,8 +257,13 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
         q, w = indexer_q((q.float() * 3).to(torch.bfloat16), (w * 10).to(torch.bfloat16), positions,
                          _cos_sin(cfg, case.kind), profile=case.profile)
     args = (q, w, positions, token_request, key_cache, table)
+    from dsv4.conformance.metrics import topk_scores
+
+    # the float64 scores the top-k rule reads, once: the near, far and differential runs share them
+    scores = topk_scores(*args, codec, ratio, _BLOCK)
     return Prepared(case, [(args, {"topk": topk, "key_format": key_format, "ratio": ratio})], returns=("topk",),
-                    check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK},
+                    check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK,
+                           "scores": scores},
                     pages={4: CachePages(_BLOCK, tables=(5,))})
 
 

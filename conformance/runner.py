@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -161,9 +161,9 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
         if tol.kind == "topk":
             args, _ = prepared.steps[0]
             check = prepared.check
-            codec = get_codec(check["key_format"])
-            scores = topk_scores(args[0], args[1], args[2], args[3], args[4], args[5], codec, check["ratio"],
-                                 check["block_size"])
+            scores = check.get("scores")  # the case's own (cases._indexer_topk); else from the arguments
+            if scores is None:
+                scores = topk_scores(*args[:6], get_codec(check["key_format"]), check["ratio"], check["block_size"])
             m = check_topk(actual[name], scores, args[2].cpu(), check["topk"], check["ratio"], tol)
         elif tol.kind == "cache":
             fmt = prepared.caches[name][1]
@@ -215,7 +215,9 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
     from dsv4.conformance.placement import place_far
 
     try:
-        far = place_far(prepare_to(clone_prepared(prepared), device), gib)
+        # place_far copies every cache it moves and only reads the rest: replace() just shields
+        # prepared.steps from prepare_to, which reassigns them
+        far = place_far(prepare_to(replace(prepared), device), gib)
         actual = execute(far, getattr(backend, prepared.case.op))
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
@@ -356,11 +358,12 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
-                for name, want in returned_dtypes(run_a).items():  # B's dtypes are checked above; A's here
-                    if name in out_a and out_a[name].dtype != want:
-                        row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
-                if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule
+                if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)
                     row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
+                else:  # B's dtypes are checked above; A's here
+                    for name, want in returned_dtypes(run_a).items():
+                        if name in out_a and out_a[name].dtype != want:
+                            row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
                 row.outcome = _outcome(row.metrics)
         except Exception as exc:  # noqa: BLE001
             row.outcome, row.reasons = "error", [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]

@@ -58,11 +58,9 @@ class StepRequest:
     num_tokens: int
 
     def __post_init__(self) -> None:
-        try:
-            hash(self.request_id)
-        except TypeError:
+        if not _hashable(self.request_id):
             raise DSV4TypeError.of("StepRequest.request_id", "a hashable id (str, int, tuple, ...)",
-                                   f"{type(self.request_id).__name__} {self.request_id!r}") from None
+                                   f"{type(self.request_id).__name__} {self.request_id!r}")
         n = self.num_tokens
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise DSV4TypeError.of("StepRequest.num_tokens", "an int >= 1", f"{type(n).__name__} {n!r}")

@@ -183,6 +183,7 @@ class Attention(nn.Module):
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
         self.backends = validate_backends(backends, OP_NAMES)
         self._request_fields_memo: dict = {}  # layer_checks.resolve_backends: fields by (device, dtype, ...)
+        self._fp32_parameter_slots: list | None = None  # layer_checks.check_parameter_dtypes: found once
         H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         if H % cfg.o_groups:
             raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)

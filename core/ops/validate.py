@@ -15,6 +15,7 @@ import functools
 import os
 
 import torch
+from dsv4.metadata import slots_from_block_table
 from dsv4.specs.errors import DSV4Error, DSV4TypeError, DSV4ValueError
 
 __all__ = [
@@ -89,6 +90,8 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     Never while tracing (``torch.compile``, ``make_fx``, fake or meta tensors): no values to read.
     Otherwise :func:`device_value_checks` of ``t``'s device.
     """
+    if t.device.type != "cpu" and not (_env_enabled() if _switch is None else _switch):
+        return False  # the accelerator default, first: the tests below cost microseconds an op call
     if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t):
         return False
     return device_value_checks(t.device)
@@ -205,12 +208,10 @@ def closing_windows(positions: torch.Tensor, token_request: torch.Tensor, out_sl
                     ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """compress_insert (SPEC §5.2): the tokens that close a block, the ``coff*ratio`` positions each
     reads (``[K, W]``) and their state slots; raises unless every position >= 0 has a state page."""
-    from dsv4.reference._common import slots_from_block_table  # late: the reference imports this module
-
     closing = (((positions + 1) % ratio == 0) & (out_slot_mapping >= 0)).nonzero().flatten()
     window = (2 if ratio == 4 else 1) * ratio  # r = 4 windows overlap the previous block
     gather_positions = positions[closing, None] + torch.arange(window, device=positions.device) - window + 1
-    gather_slots = slots_from_block_table(state_block_table, token_request[closing, None], gather_positions,
+    gather_slots = slots_from_block_table(gather_positions, token_request[closing], state_block_table,
                                           state_block_size)
     missing = (gather_positions >= 0) & (gather_slots < 0)
     if bool(missing.any()):
