@@ -430,21 +430,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dsv4.conformance.usage import UsageError, interpret_triton_without_gpu
 
     interpret_triton_without_gpu()
+    from dsv4.backend import one_line
     from dsv4.registry import PluginLoadError
     from dsv4.specs.errors import DSV4Error
 
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
-        print(f"dsv4-conformance: {_one_line(exc)}", file=sys.stderr)
+        print(f"dsv4-conformance: {one_line(str(exc), limit=None)}", file=sys.stderr)
         return 2
     except (PluginLoadError, DSV4Error) as exc:
-        print(f"dsv4-conformance: {_one_line(exc)}", file=sys.stderr)
+        print(f"dsv4-conformance: {one_line(str(exc), limit=None)}", file=sys.stderr)
         return 1
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

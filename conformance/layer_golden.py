@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from dsv4.backend import one_line
 from dsv4.cache import PagedKVCache, StepRequest
 from dsv4.conformance.tolerances import LAYER_GOLDEN
 from dsv4.layer import OP_NAMES, Attention
@@ -162,7 +163,7 @@ def _check_layers(name: str, layers: list, hf_config: dict) -> None:
     try:
         cfg = ModelConfig.from_hf_config(hf_config)
     except DSV4ValueError as exc:
-        raise LayerGoldenError.of(f"{name}: hf_config", "a valid config (SPEC §1)", " ".join(str(exc).split())) \
+        raise LayerGoldenError.of(f"{name}: hf_config", "a valid config (SPEC §1)", one_line(str(exc), limit=None)) \
             from None
     seen: set[int] = set()
     for i, spec in enumerate(layers):
@@ -192,7 +193,7 @@ def load_layer_weights(attn: torch.nn.Module, tensors: dict[str, torch.Tensor], 
         attn.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # shapes
         raise LayerGoldenError.of(f"{name}: weights {prefix}*", "the layer's shapes",
-                                  " ".join(str(exc).split())) from None
+                                  one_line(str(exc), limit=None)) from None
 
 
 def _num_blocks(cfg: ModelConfig, batch: int, tokens: int) -> int:

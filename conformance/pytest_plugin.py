@@ -100,6 +100,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     backends = list(dict.fromkeys(config.getoption("--dsv4-backend")))  # each once, in order
     if not backends:
         return
+    from dsv4.backend import one_line
     from dsv4.conformance.cases import default_cases
     from dsv4.conformance.runner import expected_failure_for, unmatched_expected_failures
     from dsv4.registry import get_registry
@@ -113,7 +114,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             backend = registry.get(name)
         except DSV4Error as exc:  # an unknown name is the command line's fault, not an internal error
             reason = (format_expectation("--dsv4-backend", exc.expected, exc.received) if exc.expected
-                      else " ".join(str(exc).split()))
+                      else one_line(str(exc), limit=None))
             raise pytest.UsageError(reason) from None
         for pattern in unmatched_expected_failures(backend, cases):
             warnings.warn(pytest.PytestWarning(

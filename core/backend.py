@@ -210,10 +210,11 @@ def device_arch(device: torch.device | str) -> str | None:
 REASON_CHARS = 300  # a reason is one line of at most this many characters
 
 
-def one_line(text: str) -> str:
-    """A reason as one line: whitespace runs (newlines included) collapsed, cut to ``REASON_CHARS``."""
+def one_line(text: str, limit: int | None = REASON_CHARS) -> str:
+    """A reason as one line: whitespace runs (newlines included) collapsed, cut to ``limit`` characters
+    (None: whole, as the CLI prints an error)."""
     text = " ".join(text.split())
-    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
 
 
 def missing_parameters(fn: Callable[..., Any], names: tuple[str, ...]) -> list[str]:
