@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,9 @@ from dsv4.layer_checks import (
     check_cache_matches,
     check_parameter_dtypes,
     check_step,
-    resolve_backends,
     validate_backends,
 )
+from dsv4.layer_dispatch import DirectOps, direct_calls, resolve_backends
 from dsv4.metadata import topk_local_to_global
 from dsv4.rope import rope_cos_sin
 from dsv4.specs.config import ModelConfig
@@ -182,7 +183,7 @@ class Attention(nn.Module):
         self.profile = get_profile(profile).name
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
         self.backends = validate_backends(backends, OP_NAMES)
-        self._request_fields_memo: dict = {}  # layer_checks.resolve_backends: fields by (device, dtype, ...)
+        self._selection_memo: dict = {}  # layer_dispatch.resolve_backends: backends by (device, dtype, ...)
         self._fp32_parameter_slots: list | None = None  # layer_checks.check_parameter_dtypes: found once
         H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         if H % cfg.o_groups:
@@ -230,8 +231,9 @@ class Attention(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool) -> None:
-        """Everything that can reject the call, before the first cache write (SPEC §12)."""
+    def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool) -> DirectOps | ModuleType:
+        """Everything that can reject the call, before the first cache write (SPEC §12). Returns what runs
+        the ops: ``dsv4.ops``, or the selected backends called directly (``dsv4.layer_dispatch``)."""
         md = step.metadata
         if not isinstance(x, torch.Tensor):
             raise DSV4TypeError.of("x", "a torch.Tensor [T, hidden]", type(x).__name__)
@@ -253,7 +255,8 @@ class Attention(nn.Module):
                                     f"NaN/Inf in token rows {bad[:8].tolist()} (requests {owners[:8]})",
                                     hint="nothing was written; run the step again with finite rows (zeros for "
                                          "a request you will free), or free its requests")
-        resolve_backends(self, x, step, attends)
+        chosen = resolve_backends(self, x, step, attends)
+        return DirectOps(chosen) if direct_calls(x) else ops
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
         """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""
@@ -264,13 +267,13 @@ class Attention(nn.Module):
             self._streams[x.device] = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
         return self._streams[x.device]
 
-    def _indexer(self, x: torch.Tensor, qr: torch.Tensor, step: Step, lo: int,
+    def _indexer(self, calls: DirectOps | ModuleType, x: torch.Tensor, qr: torch.Tensor, step: Step, lo: int,
                  hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6)."""
         cfg, md, lc, be, idx = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends, self.indexer
         rm = md.ratios[self.kind.ratio]
         key_format = step.cache.indexer_key_format
-        ops.compress_insert(
+        calls.compress_insert(
             idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state, rm.state.block_table,
             rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight, self.cos_sin, lc.indexer_keys,
             rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim, out_format=key_format,
@@ -280,9 +283,9 @@ class Attention(nn.Module):
             return None, None
         positions, token_request = md.positions[lo:hi], md.token_request[lo:hi]
         iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
-        qi, wi = ops.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin, profile=self.profile,
+        qi, wi = calls.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin, profile=self.profile,
                                backend=be["indexer_q"])
-        topk_local = ops.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
+        topk_local = calls.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
                                       topk=cfg.index_topk, key_format=key_format, ratio=4,
                                       backend=be["indexer_topk"])
         return topk_local_to_global(topk_local, token_request, rm.compressed.block_table, rm.compressed.block_size)
@@ -318,7 +321,7 @@ class Attention(nn.Module):
             hi = max(lo, hi)
         else:
             raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
-        self._check(x, step, cache, attends=hi > lo)
+        calls = self._check(x, step, cache, attends=hi > lo)
         self.reserve_positions(step.metadata.max_seq_len)
         cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
         kv_format = step.cache.kv_format
@@ -337,7 +340,7 @@ class Attention(nn.Module):
                 for side in streams:
                     side.wait_stream(main)
             with _on(streams, 0):
-                ops.compress_insert(
+                calls.compress_insert(
                     self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
                     rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
                     lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
@@ -347,12 +350,12 @@ class Attention(nn.Module):
                 extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
             else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                 with _on(streams, 1):
-                    extra_indices, extra_lens = self._indexer(x, qr, step, lo, hi)
+                    extra_indices, extra_lens = self._indexer(calls, x, qr, step, lo, hi)
 
         # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
         # for all T tokens; only the rows' q is read below.
         q = self.wq_b(qr).view(T, H, D)
-        q = ops.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
+        q = calls.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
                                   kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
                                   backend=be["qnorm_rope_insert"])
         if streams:
@@ -363,10 +366,10 @@ class Attention(nn.Module):
                     t.record_stream(main)
         if hi == lo:  # an empty shard: nothing to attend (the caches are updated above)
             return x.new_zeros(0, cfg.hidden_size)
-        o, _lse = ops.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
+        o, _lse = calls.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
                                        extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
                                        softmax_scale=D ** -0.5, profile=self.profile,
                                        extra_kind=self.kind.compressed_list,
                                        backend=be["sparse_attention"])
-        return ops.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
+        return calls.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
                                      fp8_activations=self.fp8_output, backend=be["output_projection"])

@@ -3,8 +3,8 @@
 Every check here raises a :class:`~dsv4.specs.errors.DSV4Error` naming the argument, what was
 expected and what came, and runs before the first write of a forward: a rejected call leaves every
 cache byte as it was. Backend choices are checked twice: names against the registry when the layer
-is built, and every op's selection for the step's actual request before the first write (the
-registry caches selections, so a step pays a few dictionary lookups a layer).
+is built (here), and every op's selection for the step's actual request before the first write (the
+selections are memoized, ``dsv4.layer_dispatch``).
 """
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from dsv4.backend import Backend
 from dsv4.cache import PagedKVCache, Step
-from dsv4.ops.dispatch import resolve
-from dsv4.ops.library import request_fields
 from dsv4.registry import get_registry
 from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 
 if TYPE_CHECKING:
     from dsv4.layer import Attention
 
-__all__ = ["check_cache_matches", "check_parameter_dtypes", "check_step", "resolve_backends", "validate_backends"]
+__all__ = ["check_cache_matches", "check_parameter_dtypes", "check_step", "validate_backends"]
 
 
 def validate_backends(backends: object, op_names: tuple[str, ...]) -> dict[str, str | Backend]:
@@ -107,52 +105,3 @@ def check_parameter_dtypes(attn: Attention, x: torch.Tensor) -> None:
             f"layer parameter {bad[0][0]}", "dtype torch.float32 (SPEC §3-§5: kept fp32 for bf16 input)", bad[0][1],
             hint=f"{also}Attention.to(dtype) / .half() / .bfloat16() casts every floating parameter: build the "
             "layer in its own dtypes and cast the input x (load bf16 weights with load_state_dict), not the layer")
-
-
-def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool) -> None:
-    """Select the backend of every op this forward will call, with the request it will make, before
-    anything is written: a backend that cannot run (or a bad ``DSV4_BACKEND``) raises here.
-
-    attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
-    row range); otherwise only the cache writes run. Field values mirror ``dsv4.ops.library.request_fields``
-    of the calls in ``Attention.forward``."""
-    md, cache, be = step.metadata, step.cache, attn.backends
-    hca_width = (md.ratios[attn.kind.ratio].hca_indices.shape[1]
-                 if attends and attn.compressor is not None and attn.indexer is None else None)
-    key = (x.device, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width)
-    memo = attn._request_fields_memo
-    if key not in memo:  # the fields depend on nothing else: build them once (the registry caches selections)
-        memo[key] = _request_fields_of_forward(attn, x, cache, attends, hca_width)
-    for op, fields in memo[key]:
-        resolve(op, x.device, be[op], **fields)
-
-
-def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVCache, attends: bool,
-                               hca_width: int | None) -> list[tuple[str, dict]]:
-    """``(op, OpRequest fields)`` of every op call ``Attention.forward`` makes (meta tensors stand in)."""
-    cfg = attn.cfg
-    H, D, dtype, profile = cfg.num_attention_heads, cfg.head_dim, x.dtype, attn.profile
-    calls: list[tuple[str, tuple, dict, dict | None]] = [
-        ("qnorm_rope_insert", (_meta((0, H, D), dtype),), {"kv_format": cache.kv_format, "profile": profile}, None)]
-    if attn.compressor is not None:
-        calls.append(("compress_insert", (), {"out_format": cache.kv_format, "profile": profile}, None))
-    if attn.indexer is not None:
-        key_format, idx = cache.indexer_key_format, attn.indexer
-        calls.append(("compress_insert", (), {"out_format": key_format, "profile": profile}, None))
-        if attends:
-            iq = _meta((0, idx.n_heads, idx.head_dim), dtype)
-            calls.append(("indexer_q", (iq,), {"profile": profile}, None))
-            calls.append(("indexer_topk", (iq,), {"key_format": key_format, "topk": cfg.index_topk}, None))
-    if attends:
-        kind = attn.kind.compressed_list
-        width = {"topk": cfg.index_topk, "dense": hca_width}.get(kind)
-        extra = None if width is None else _meta((0, width), torch.int32)
-        q = _meta((0, H, D), dtype)
-        calls.append(("sparse_attention", (q, None, None, None, None, extra),
-                      {"kv_format": cache.kv_format, "profile": profile}, {"extra_kind": kind}))
-        calls.append(("output_projection", (q,), {}, None))
-    return [(op, request_fields(op, args, kwargs, hints)) for op, args, kwargs, hints in calls]

@@ -19,6 +19,7 @@ every candidate with its reasons.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import traceback
@@ -93,6 +94,9 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
     return [seen[name] for name in sorted(seen)]
 
 
+_GENERATIONS = itertools.count()  # Registry.generation: unique across registries (reset_registry)
+
+
 class Registry:
     """Holds registered backends, plugin statuses, probe results and cached selections."""
 
@@ -104,6 +108,7 @@ class Registry:
         self._statuses: dict[str, PluginStatus] = {}
         self._probes: dict[str, list[str]] = {}
         self._selections: dict[tuple[Any, ...], Backend] = {}
+        self.generation = next(_GENERATIONS)  # changes whenever a selection could change (callers' memos)
 
     # -- loading --------------------------------------------------------------------------------
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP, *, strict: bool | None = None) -> list[PluginStatus]:
@@ -188,13 +193,17 @@ class Registry:
                 hint=f"already registered by plugin {self._origin[backend.name]}")
         self._backends[backend.name] = backend
         self._origin[backend.name] = origin
-        self._selections.clear()
+        self._changed()
 
     def _remove(self, name: str) -> None:
         self._backends.pop(name, None)
         self._origin.pop(name, None)
         self._probes.pop(name, None)
+        self._changed()
+
+    def _changed(self) -> None:
         self._selections.clear()
+        self.generation = next(_GENERATIONS)
 
     def unregister_backend(self, name: str) -> None:
         """Remove a backend (tests)."""

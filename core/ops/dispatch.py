@@ -13,7 +13,7 @@ import torch
 from dsv4.backend import Backend, OpRequest, device_arch
 from dsv4.registry import get_registry
 
-__all__ = ["arch_of", "backend_name", "record_selections", "resolve"]
+__all__ = ["arch_of", "backend_name", "record", "record_selections", "resolve"]
 
 _recorded: dict[str, set[str]] | None = None
 
@@ -43,9 +43,14 @@ def resolve(op: str, device: torch.device, backend: str | Backend | None, **fiel
     """The backend that runs ``op`` on ``device`` with the request ``fields`` (see ``OpRequest``)."""
     request = OpRequest(op=op, device_type=device.type, arch=arch_of(device), **fields)  # type: ignore[arg-type]
     impl = get_registry().select(request, backend)
+    record(op, impl)
+    return impl
+
+
+def record(op: str, impl: Backend) -> None:
+    """Note that ``impl`` runs ``op`` (inside ``record_selections``; callers that memoize ``resolve``)."""
     if _recorded is not None:
         _recorded.setdefault(op, set()).add(impl.name)
-    return impl
 
 
 def backend_name(backend: str | Backend | None) -> str:

@@ -92,7 +92,8 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     """
     if t.device.type != "cpu" and not (_env_enabled() if _switch is None else _switch):
         return False  # the accelerator default, first: the tests below cost microseconds an op call
-    if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t):
+    if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t) \
+            or torch._C._len_torch_dispatch_stack():  # make_fx, functionalization: values are proxies
         return False
     return device_value_checks(t.device)
 

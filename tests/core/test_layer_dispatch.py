@@ -1,0 +1,145 @@
+"""dsv4.layer_dispatch: the layer's selections are made once a configuration, and in eager mode without
+value checks it calls the selected backends directly, with the same bits as through dsv4.ops."""
+import os
+
+import pytest
+import torch
+from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest, layer_dispatch, ops
+from dsv4.backends.reference import ReferenceBackend
+from dsv4.ops.dispatch import record_selections
+from dsv4.registry import get_registry
+from dsv4.specs.errors import DSV4Error
+
+CFG = ModelConfig.preset("tiny")  # 0 SWA, 1 CSA, 2 HCA
+CHUNKS = [70, 1, 57, 1, 1]  # a prefill, decodes, a chunk that closes HCA block 127, decodes
+
+
+def _layer(layer_id: int, backends="reference") -> Attention:
+    attn = Attention(CFG, layer_id, backends=backends)
+    attn.reset_parameters(torch.Generator().manual_seed(0))
+    return attn
+
+
+def _x(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _direct(monkeypatch, on: bool) -> None:
+    """The CPU always value-checks, so it never calls directly: tests switch that off to reach the path."""
+    monkeypatch.setattr(layer_dispatch, "device_value_checks", lambda device: not on)
+
+
+def _count_custom_ops(monkeypatch) -> list:
+    seen = []
+    real = ops._call
+
+    def spy(op, *args, **kwargs):
+        seen.append(op)
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "_call", spy)
+    return seen
+
+
+@torch.no_grad()
+def _run(attn: Attention) -> tuple[list[torch.Tensor], dict]:
+    cache = PagedKVCache(CFG, [attn.layer_id], num_blocks=256)
+    outs = [attn(_x(n, seed), cache.plan_step([StepRequest("a", n)])) for seed, n in enumerate(CHUNKS)]
+    return outs, {name: t.clone() for name, t in cache.layer(attn.layer_id).tensors().items()}
+
+
+@pytest.mark.parametrize("layer_id", [0, 1, 2])
+def test_direct_calls_write_and_return_the_same_bits_as_the_ops(monkeypatch, layer_id):
+    calls = _count_custom_ops(monkeypatch)
+    _direct(monkeypatch, False)
+    ref_outs, ref_cache = _run(_layer(layer_id))
+    assert len(calls) >= 3 * len(CHUNKS)  # qnorm_rope_insert, sparse_attention, output_projection at least
+    calls.clear()
+    _direct(monkeypatch, True)
+    outs, cache = _run(_layer(layer_id))
+    assert calls == []  # no dsv4.ops boundary, no custom op
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs, strict=True))
+    assert cache.keys() == ref_cache.keys()
+    assert all(torch.equal(cache[k].view(torch.uint8), ref_cache[k].view(torch.uint8)) for k in cache)
+
+
+def test_direct_calls_only_where_nothing_traces_and_nothing_value_checks(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.zeros(2, 3)
+    assert not layer_dispatch.direct_calls(x)  # the CPU value-checks every call
+    _direct(monkeypatch, True)
+    assert layer_dispatch.direct_calls(x)
+    with FakeTensorMode() as mode:
+        assert not layer_dispatch.direct_calls(mode.from_tensor(x))
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():  # make_fx and functionalization trace through a dispatch mode
+        assert not layer_dispatch.direct_calls(x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not layer_dispatch.direct_calls(x)
+
+
+def test_make_fx_of_the_layer_keeps_the_opaque_custom_ops(monkeypatch):
+    """Tracing the layer records dsv4 custom ops even where eager calls would go direct."""
+    _direct(monkeypatch, True)
+    attn = Attention(CFG, 1, backends="reference", check_finite=False)
+    attn.reset_parameters(torch.Generator().manual_seed(0))
+    cache = PagedKVCache(CFG, [1], num_blocks=64)
+    step = cache.plan_step([StepRequest("a", 9)])
+    with torch.no_grad():
+        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: attn(x, step), tracing_mode="real")(_x(9, 0))
+    graph = str(gm.graph)
+    for op in ("qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk", "sparse_attention",
+               "output_projection"):
+        assert f"dsv4.{op}" in graph, op
+
+
+class _Counting(ReferenceBackend):
+    name = "counting_reference"
+
+
+def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_changes(monkeypatch):
+    _direct(monkeypatch, True)
+    resolved = []
+    real = layer_dispatch.resolve
+
+    def spy(op, *args, **kwargs):
+        resolved.append(op)
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(layer_dispatch, "resolve", spy)
+    attn = _layer(1)  # CSA: seven op calls a forward, compress_insert twice
+    cache = PagedKVCache(CFG, [1], num_blocks=64)
+
+    def forward(n: int = 1):
+        resolved.clear()
+        with torch.no_grad(), record_selections() as used:
+            attn(_x(n, 0), cache.plan_step([StepRequest("a", n)]))
+        return list(resolved), used
+
+    first, used = forward(8)
+    assert sorted(first) == sorted(["qnorm_rope_insert", "compress_insert", "compress_insert", "indexer_q",
+                                    "indexer_topk", "sparse_attention", "output_projection"])
+    again, used_again = forward()
+    assert again == []  # memoized
+    assert used_again == used == {op: {"reference"} for op in set(first)}  # still recorded
+    registry = get_registry()
+    registry.register_backend(_Counting())
+    try:
+        assert forward()[0] != []  # a registry change selects again
+        assert forward()[0] == []
+        monkeypatch.setenv("DSV4_BACKEND", "counting_reference")
+        attn.backends = dict.fromkeys(attn.backends, "auto")
+        assert sorted(forward()[0]) == sorted(first)  # the environment and the layer's choices are in the key
+        assert forward()[1] == {op: {"counting_reference"} for op in set(first)}
+        monkeypatch.setenv("DSV4_BACKEND", "bogus")
+        with pytest.raises(DSV4Error, match="bogus"):  # a memo never hides a refusal
+            forward()
+    finally:
+        registry.unregister_backend("counting_reference")
+        os.environ.pop("DSV4_BACKEND", None)
