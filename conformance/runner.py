@@ -175,6 +175,29 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
     return metrics
 
 
+def slots_metric(backend: Backend, prepared: Prepared, local: torch.Tensor) -> dict[str, Any]:
+    """``backend.indexer_topk_slots`` on the case's arguments (its key block table standing in for the
+    compressed group's) against the backend's own ``indexer_topk`` output ``local`` converted by
+    ``dsv4.metadata.topk_local_to_global``: ``[slots | lens]`` must be equal (a fused conversion, as the
+    Triton backend's, is checked here on every device the suite runs on)."""
+    from dsv4.metadata import topk_local_to_global
+
+    args, kwargs = prepared.steps[0]
+    table, block_size = args[5], prepared.check["block_size"]
+    tol = tolerance_for("indexer_topk", "slots", prepared.case.profile)
+    try:
+        slots, lens = backend.indexer_topk_slots(*args, table, compressed_block_size=block_size, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the metric's outcome
+        return {"passed": False, "reason": f"indexer_topk_slots raised {type(exc).__name__}: {exc}"[:500],
+                "tolerance": tol.as_dict()}
+    want_slots, want_lens = topk_local_to_global(local.to(table.device), args[3], table, block_size)
+    if slots.dtype != torch.int32 or lens.dtype != torch.int32:
+        return _wrong_dtype(slots if slots.dtype != torch.int32 else lens, torch.int32, "indexer_topk_slots")
+    m = compare_tensor(torch.cat([slots, lens[:, None]], 1), torch.cat([want_slots, want_lens[:, None]], 1), tol)
+    m["tolerance"] = tol.as_dict()
+    return m
+
+
 def _lse_required(backend: Backend, case: Case) -> bool:
     from dsv4.specs.numerics import get_profile
 
@@ -264,6 +287,8 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         actual = execute(run, getattr(backend, case.op))
         lse_required = _lse_required(backend, case)
         row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
+        if case.op == "indexer_topk":
+            row.metrics["slots"] = slots_metric(backend, run, actual["topk"])
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
         row.outcome = _outcome(row.metrics)

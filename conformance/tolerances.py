@@ -50,6 +50,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
                                                   source="suite: SPEC §5.1 one fp32 add"),
     # SPEC §13 indexer: tie-aware set rule with 1e-3 of the row's score range.
     ("indexer_topk", "topk"): Tolerance(kind="topk", score_slack=1e-3, source="SPEC §13 indexer"),
+    # Backend.indexer_topk_slots (the layer's direct path) against the backend's own top-k converted by
+    # dsv4.metadata.topk_local_to_global: [slots | lens] int32, exact.
+    ("indexer_topk", "slots"): Tolerance(source="suite: indexer_topk_slots = indexer_topk + topk_local_to_global"),
     # The rest are not in SPEC §13: bf16 outputs of the same serving numerics agree to two bf16
     # ULPs; quantized indexer q may flip a code where a value sits on a rounding boundary.
     # deepseek rounds q's mean square to bf16 (SPEC §6.6): where the fp32 mean sits on a bf16 rounding

@@ -24,6 +24,7 @@ from importlib import metadata
 from typing import Any, ClassVar
 
 import torch
+from dsv4.metadata import topk_local_to_global
 from dsv4.specs.errors import BackendUnavailableError
 
 __all__ = [
@@ -339,6 +340,21 @@ class Backend:
                      *, topk: int, key_format: str, ratio: int = 4) -> torch.Tensor:
         """-> [T, topk] int32 request-local compressed indices, valid first, -1 padded (SPEC §6.3)."""
         raise self._missing("indexer_topk")
+
+    def indexer_topk_slots(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
+                           token_request: torch.Tensor, key_cache: torch.Tensor, key_block_table: torch.Tensor,
+                           compressed_block_table: torch.Tensor, *, topk: int, key_format: str,
+                           compressed_block_size: int, ratio: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        """``indexer_topk``, then its indices as global slots of the compressed cache (SPEC §10):
+        (slots [T, topk] int32, -1 where none; lens [T] int32, the slots >= 0 a row).
+
+        compressed_block_table [R, mb] int32 and ``compressed_block_size``: the compressed group's pages.
+        What the layer calls on its direct path (``dsv4.layer_dispatch``). Here the op then
+        :func:`dsv4.metadata.topk_local_to_global` (~20 small torch ops); a backend may fuse the
+        conversion (Triton: one launch). Results must equal this composition bit for bit."""
+        local = self.indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
+                                  key_format=key_format, ratio=ratio)
+        return topk_local_to_global(local, token_request, compressed_block_table, compressed_block_size)
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
                          swa_lens: torch.Tensor, extra_cache: torch.Tensor | None,

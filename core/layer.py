@@ -29,7 +29,6 @@ from dsv4.layer_checks import (
     validate_backends,
 )
 from dsv4.layer_dispatch import DirectOps, direct_calls, resolve_backends
-from dsv4.metadata import topk_local_to_global
 from dsv4.rope import rope_cos_sin
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
@@ -285,10 +284,10 @@ class Attention(nn.Module):
         iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
         qi, wi = calls.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin, profile=self.profile,
                                backend=be["indexer_q"])
-        topk_local = calls.indexer_topk(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
-                                      topk=cfg.index_topk, key_format=key_format, ratio=4,
-                                      backend=be["indexer_topk"])
-        return topk_local_to_global(topk_local, token_request, rm.compressed.block_table, rm.compressed.block_size)
+        return calls.indexer_topk_slots(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
+                                        rm.compressed.block_table, topk=cfg.index_topk, key_format=key_format,
+                                        compressed_block_size=rm.compressed.block_size, ratio=4,
+                                        backend=be["indexer_topk"])
 
     def forward(self, x: torch.Tensor, step: Step, rows: slice | None = None) -> torch.Tensor:
         """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype.

@@ -132,6 +132,9 @@ class DirectOps:
     def indexer_topk(self, *args: Any, backend: Any = None, **kwargs: Any) -> torch.Tensor:
         return self._chosen["indexer_topk"].indexer_topk(*args, **kwargs)
 
+    def indexer_topk_slots(self, *args: Any, backend: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._chosen["indexer_topk"].indexer_topk_slots(*args, **kwargs)
+
     def sparse_attention(self, *args: Any, backend: Any = None, extra_kind: str = "unknown",
                          **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self._chosen["sparse_attention"].sparse_attention(*args, **kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import _graph, decode_step
@@ -154,9 +156,10 @@ def op_breakdown(run, device: str, calls: int) -> list[dict]:
     for op, backend, args, kwargs, hints in calls_seen:
         impl = resolve(op, args[0].device, backend, **library.request_fields(op, args, kwargs, hints))
         ways = {
-            "custom_op": lambda: getattr(torch.ops.dsv4, op)(*args, **kwargs, **hints, backend=backend_name(backend)),
-            "run_backend": lambda: library.run_backend(op, backend, args, kwargs, hints),
-            "backend": lambda: getattr(impl, op)(*args, **kwargs),
+            "custom_op": functools.partial(getattr(torch.ops.dsv4, op), *args, **kwargs, **hints,
+                                           backend=backend_name(backend)),
+            "run_backend": functools.partial(library.run_backend, op, backend, args, kwargs, hints),
+            "backend": functools.partial(getattr(impl, op), *args, **kwargs),
         }
         row = {"op": op, "runs_on": impl.name}
         for way, fn in ways.items():
@@ -168,6 +171,63 @@ def op_breakdown(run, device: str, calls: int) -> list[dict]:
     for row in rows:  # the public time is summed over the op's calls in a forward: share it
         row["public"] = public_us.get(row["op"], 0.0) / calls / per_op_calls[row["op"]]
     return rows
+
+
+def direct_breakdown(run, device: str, calls: int) -> dict[str, float]:
+    """Host µs a forward spends in each op's backend call on the direct path (``DirectOps``), timed inside
+    the layer's forwards (summed over an op's calls in a forward)."""
+    from dsv4.layer_dispatch import DirectOps
+
+    names = [name for name in vars(DirectOps) if not name.startswith("_")]
+    spent: dict[str, float] = dict.fromkeys(names, 0.0)
+    originals = {name: getattr(DirectOps, name) for name in names}
+
+    def timed(name):
+        def wrapper(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return originals[name](self, *a, **k)
+            finally:
+                spent[name] += (time.perf_counter() - start) * 1e6
+        return wrapper
+
+    for name in names:
+        setattr(DirectOps, name, timed(name))
+    try:
+        for _ in range(5):
+            run()
+        spent.update(dict.fromkeys(names, 0.0))
+        _sync(device)
+        for _ in range(calls):
+            run()
+        _sync(device)
+    finally:
+        for name, fn in originals.items():
+            setattr(DirectOps, name, fn)
+    return {name: us / calls for name, us in spent.items() if us}
+
+
+@triton.jit
+def _one(a0):
+    pass
+
+
+@triton.jit
+def _forty(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+           a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34, a35, a36, a37, a38, a39):
+    pass
+
+
+def launch_floor(device: str, calls: int = 200) -> dict[str, float]:
+    """Host µs of the cheapest launches, for scale: a small torch op, and a Triton kernel with 1 and with
+    40 arguments (most of the layer's Triton kernels take 20-50)."""
+    if device != "cuda":
+        return {}
+    t = torch.zeros(16, device=device)
+    args = [t if i % 2 == 0 else i + 1 for i in range(40)]
+    ways = {"torch add": lambda: torch.add(t, 1), "triton 1 arg": lambda: _one[(1,)](t),
+            "triton 40 args": lambda: _forty[(1,)](*args)}
+    return {name: _host_and_eager_us(fn, device, calls)[0] for name, fn in ways.items()}
 
 
 def _cprofile(fn, calls: int, top: int) -> str:
@@ -216,12 +276,13 @@ def measure(batch: int, context: int, backends: str, preset: str, device: str, c
             if profile_top:
                 profiles.append(f"===== {name} backends={backends} ({calls} eager calls)\n"
                                 + _syncs_and_cpu_ops(run, device, profile_top) + _cprofile(run, calls, profile_top))
+            direct_ops = direct_breakdown(run, device, calls)
             with _through_ops():
                 per_op = op_breakdown(run, device, calls)
         rows.append({"layer": name, "backends": backends, "batch": batch, "context": context,
                      "host_us": host_us, "eager_us": eager_us, "ops_host_us": ops_host_us, "ops_eager_us": ops_eager_us,
                      "launches": launches, "graph_us": graph_us,
-                     "ops": per_op})
+                     "ops": per_op, "direct_ops": direct_ops})
     return rows, profiles
 
 
@@ -236,19 +297,26 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="write cProfile top functions here")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--force-direct", action="store_true",
+                        help="take the direct path on the CPU too (its value checks off): to try the tool here")
     args = parser.parse_args()
+    if args.force_direct:
+        import dsv4.layer_dispatch
+
+        dsv4.layer_dispatch.device_value_checks = lambda device: False
     rows, profiles = [], []
     for backends in args.backends.split(","):
         r, p = measure(args.batch, args.context, backends, args.preset, args.device, args.calls,
                        args.top if args.profile else 0)
         rows += r
         profiles += p
+    floor = launch_floor(args.device)
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "launch_floor": floor}, indent=1))
 
-    def fmt(v: float | int | None) -> str:
+    def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if isinstance(v, float) else str(v)
 
     print("direct: the layer calls its selected backends; via ops: through dsv4.ops and the custom ops")
@@ -258,6 +326,13 @@ def main() -> None:
         print(f"{r['layer']:<8} {r['backends']:<8} {fmt(r['host_us']):>8} {fmt(r['eager_us']):>9} "
               f"{fmt(r['ops_host_us']):>12} {fmt(r['ops_eager_us']):>13} {fmt(r['launches']):>8} "
               f"{fmt(r['graph_us']):>9}")
+    if floor:
+        print("\nlaunch floor, host us a call: " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+    print("\ndirect path: host us a forward inside each op's backend calls (timed in the layer)")
+    for r in rows:
+        spent = r["direct_ops"]
+        print(f"{r['layer']:<8} {r['backends']:<8} " + "  ".join(f"{k} {v:.0f}" for k, v in spent.items())
+              + f"  | ops {sum(spent.values()):.0f}, rest of the layer {r['host_us'] - sum(spent.values()):.0f}")
     print("\nhost us of each op call: public dsv4.ops / torch.ops.dsv4 custom op / selection + backend / backend")
     print(f"{'layer':<8} {'backends':<8} {'op':<18} {'runs on':<10} {'public':>7} {'custom':>7} {'select':>7} "
           f"{'backend':>7}")

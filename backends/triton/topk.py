@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from dsv4.backends.triton._common import INTERPRET, next_pow2
 
-__all__ = ["topk_indices"]
+__all__ = ["local_to_global", "topk_indices"]
 
 
 @triton.jit
@@ -292,3 +292,42 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     _topk_kernel[(num_tokens,)](logits, n, out, gkeys, ng, cand, counter, topk, G=g, CH=ch, WAYS=ways or 16,
                                 KC=kc, **extra)
     return out
+
+
+@triton.jit
+def _local_to_global_kernel(local, token_request, block_table, bt_stride, max_blocks, block_size, slots, lens, k,
+                            KP: tl.constexpr):
+    """Program t: row t of ``local`` [T, k] int32 -> global slots (SPEC §10) and the row's count of them."""
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, KP)
+    inside = r < k
+    idx = tl.load(local + t * k + r, mask=inside, other=-1)
+    request = tl.load(token_request + t).to(tl.int64)
+    ok = inside & (idx >= 0)
+    page = tl.where(ok, idx, 0) // block_size
+    ok = ok & (page < max_blocks)
+    phys = tl.load(block_table + request * bt_stride + page, mask=ok, other=-1)
+    ok = ok & (phys >= 0)
+    # < 2**31: PagedKVCache refuses a group of more slots (global slots are int32, SPEC §10)
+    slot = phys.to(tl.int64) * block_size + tl.where(ok, idx, 0) % block_size
+    tl.store(slots + t * k + r, tl.where(ok, slot, -1).to(tl.int32), mask=inside)
+    tl.store(lens + t, tl.sum(ok.to(tl.int32), 0))
+
+
+def local_to_global(local: torch.Tensor, token_request: torch.Tensor, block_table: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4.metadata.topk_local_to_global`` in one launch: local [T, K] int32 request-local indices (-1
+    padded), token_request [T] int32/int64, block_table [R, mb] int32 -> (slots [T, K] int32, -1 where the
+    index is negative or its page is past the table or unallocated; lens [T] int32, the slots >= 0 a row)."""
+    num_tokens, k = local.shape
+    slots = torch.empty((num_tokens, k), dtype=torch.int32, device=local.device)
+    lens = torch.empty((num_tokens,), dtype=torch.int32, device=local.device)
+    if num_tokens == 0:
+        return slots, lens
+    if k == 0:
+        return slots, lens.zero_()
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    extra = {} if INTERPRET else {"num_warps": 4}
+    _local_to_global_kernel[(num_tokens,)](local.contiguous(), token_request, table, table.stride(0),
+                                           table.shape[1], block_size, slots, lens, k, KP=next_pow2(k), **extra)
+    return slots, lens

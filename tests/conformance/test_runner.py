@@ -7,7 +7,7 @@ import pytest
 import torch
 from dsv4.backend import Capabilities
 from dsv4.backends.reference import ReferenceBackend
-from dsv4.conformance.cases import default_cases, select_cases
+from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.runner import run_differential, run_suite, unmatched_expected_failures
 from dsv4.registry import Registry
 
@@ -170,3 +170,35 @@ def test_differential_mode_checks_both_sides_dtypes(registry):
     row = result.rows[0]
     assert row.outcome == "failed", row.metrics
     assert "widens: dtype torch.float64" in row.metrics["q_widens"]["reason"]
+
+
+def test_a_wrong_fused_topk_slot_conversion_fails_the_slots_metric():
+    """indexer_topk_slots is checked against the backend's own top-k converted by topk_local_to_global:
+    one slot off fails (and says where), a miscounted lens too; the reference's composition passes."""
+    class SlotOff(ReferenceBackend):
+        name = "slot-off"
+
+        def indexer_topk_slots(self, *args, **kwargs):
+            slots, lens = super().indexer_topk_slots(*args, **kwargs)
+            slots[0, 0] += 1
+            return slots, lens
+
+    class LensOff(ReferenceBackend):
+        name = "lens-off"
+
+        def indexer_topk_slots(self, *args, **kwargs):
+            slots, lens = super().indexer_topk_slots(*args, **kwargs)
+            return slots, lens + 1
+
+    reg = Registry()
+    for backend in (ReferenceBackend(), SlotOff(), LensOff()):
+        reg.register_backend(backend)
+    cases = _cases("indexer_topk", "deepseek and mixed")
+    result = run_suite(["reference", "slot-off", "lens-off"], cases, registry=reg, far=False)
+    by = {r.backend: r for r in result.rows}
+    assert by["reference"].outcome == "passed" and by["reference"].metrics["slots"]["passed"] is True
+    assert by["slot-off"].outcome == by["lens-off"].outcome == "failed"
+    assert by["slot-off"].metrics["topk"]["passed"] is True  # only the conversion is wrong
+    assert by["slot-off"].metrics["slots"]["first_fail_where"] == [0, 0]
+    topk = prepare(cases[0]).check["topk"]
+    assert by["lens-off"].metrics["slots"]["first_fail_where"] == [0, topk]  # [slots | lens]: the lens column

@@ -92,3 +92,34 @@ def test_topk_register_path_matches_chunked_path() -> None:
             got = topk_indices(logits, k, candidates=128, **kwargs)
             assert torch.equal(_canonical(got, logits), _canonical(ref, logits)), (n, kwargs)
             assert torch.equal(got < 0, ref < 0), (n, kwargs)  # valid entries first, the same count
+
+
+def test_local_to_global_is_the_metadata_conversion(monkeypatch) -> None:
+    """One launch gives dsv4.metadata.topk_local_to_global's slots and lens: -1 entries, pages past the
+    table and unallocated pages give -1; int32 and int64 request ids; widths that are not powers of two;
+    a strided block table. Outputs start poisoned, so an entry the kernel skips shows."""
+    from dsv4.backends.triton import topk
+    from dsv4.metadata import topk_local_to_global
+
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(0x5A5A5A5A)
+
+    monkeypatch.setattr(topk.torch, "empty", poisoned_empty)
+    g = torch.Generator().manual_seed(7)
+    for tokens, width, blocks, block_size, request_dtype in ((5, 40, 3, 4, torch.int32), (3, 64, 6, 64, torch.int64),
+                                                              (4, 7, 1, 1, torch.int32), (1, 1, 2, 16, torch.int64)):
+        wide = torch.randint(-1, 90, (4, blocks + 3), generator=g, dtype=torch.int32)
+        table = wide[:, ::2][:, :blocks] if wide[:, ::2].shape[1] >= blocks else wide[:, :blocks]
+        local = torch.randint(-1, (blocks + 1) * block_size, (tokens, width), generator=g, dtype=torch.int32)
+        local[0, : width // 2] = -1
+        request = torch.randint(0, 4, (tokens,), generator=g).to(request_dtype)
+        slots, lens = topk.local_to_global(local, request, table, block_size)
+        want_slots, want_lens = topk_local_to_global(local, request, table, block_size)
+        assert slots.dtype == lens.dtype == torch.int32
+        assert torch.equal(slots, want_slots), (tokens, width, blocks, block_size)
+        assert torch.equal(lens, want_lens)
+    empty = torch.zeros((0, 8), dtype=torch.int32)
+    slots, lens = topk.local_to_global(empty, torch.zeros(0, dtype=torch.int32), table, 4)
+    assert slots.shape == (0, 8) and lens.shape == (0,)

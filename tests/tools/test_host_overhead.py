@@ -1,0 +1,26 @@
+"""tools/host_overhead.py on the CPU (reference backend, tiny config, direct path forced): a row per layer
+with both paths timed, the direct path's time in each backend call, and the ops path's per-call split."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import host_overhead as tool
+
+
+def test_measure_times_both_paths_and_every_call(monkeypatch):
+    import dsv4.layer_dispatch
+
+    monkeypatch.setattr(dsv4.layer_dispatch, "device_value_checks", lambda device: False)
+    rows, profiles = tool.measure(batch=2, context=256, backends="reference", preset="tiny", device="cpu",
+                                  calls=1, profile_top=5)
+    assert [r["layer"] for r in rows] == ["CSA 1", "HCA 2"]
+    csa, hca = rows
+    assert all(r["host_us"] > 0 and r["ops_host_us"] > 0 and r["launches"] is None for r in rows)
+    assert set(csa["direct_ops"]) == {"qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk_slots",
+                                      "sparse_attention", "output_projection"}
+    assert set(hca["direct_ops"]) == {"qnorm_rope_insert", "compress_insert", "sparse_attention", "output_projection"}
+    assert [o["op"] for o in csa["ops"]].count("compress_insert") == 2  # latent cache and indexer keys
+    assert all(o["runs_on"] == "reference" and o["backend"] > 0 for o in csa["ops"])
+    assert len(profiles) == 2 and "cumulative" in profiles[0]
