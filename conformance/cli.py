@@ -165,10 +165,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _outcome_label(row: Any) -> str:
     colors = {"passed": "green", "failed": "red", "error": "red", "unsupported": "yellow", "skipped": "dim"}
-    if row.expected_failure and row.outcome == "passed":
+    if row.expectation == "xpass":
         return "[yellow]XPASS[/] (unexpected pass of an expected failure)"
     label = f"[{colors[row.outcome]}]{row.outcome}[/]"
-    return label + " (expected)" if row.expected_failure and row.outcome in ("failed", "error") else label
+    return label + " (expected)" if row.expectation == "xfail" else label
 
 
 def _print_results(result: Any) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dsv4.conformance.runner import SuiteResult, far_not_run
+from dsv4.conformance.runner import SuiteResult, expectation, far_not_run, first_failure
 
 __all__ = [
     "REPORT_SCHEMA",
@@ -89,11 +89,11 @@ def expectation_counts(rows: Iterable[Any]) -> dict[str, int]:
 
 
 def _is_xfail(row: dict[str, Any]) -> bool:
-    return bool(row.get("expected_failure")) and row["outcome"] in ("failed", "error")
+    return expectation(row["outcome"], row.get("expected_failure")) == "xfail"
 
 
 def _is_xpass(row: dict[str, Any]) -> bool:
-    return bool(row.get("expected_failure")) and row["outcome"] == "passed"
+    return expectation(row["outcome"], row.get("expected_failure")) == "xpass"
 
 
 def build_report(result: SuiteResult) -> dict[str, Any]:
@@ -188,12 +188,7 @@ def _testcase(suite: ET.Element, backend: str, row: dict[str, Any]) -> None:
 def _message(row: dict[str, Any]) -> str:
     if row["outcome"] in ("error", "skipped", "unsupported"):
         return "; ".join(row["reasons"][:1])[:500]
-    bad = [(k, m) for k, m in row["metrics"].items() if isinstance(m, dict) and m.get("passed") is False]
-    if not bad:
-        return ""
-    name, m = bad[0]
-    where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
-    return f"{row['op']}.{name}: {m.get('reason', 'failed')} (max abs err {m.get('max_abs_err')} at {where})"
+    return first_failure(row["op"], row["metrics"])
 
 
 def write_junit(report: dict[str, Any], path: str | Path) -> None:

@@ -46,8 +46,10 @@ __all__ = [
     "ResultRow",
     "SuiteResult",
     "compare_outputs",
+    "expectation",
     "expected_failure_for",
     "far_not_run",
+    "first_failure",
     "run_differential",
     "run_suite",
     "unmatched_expected_failures",
@@ -76,16 +78,15 @@ class ResultRow:
     def counts_as_failure(self) -> bool:
         return self.outcome in ("failed", "error") and self.expected_failure is None
 
+    @property
+    def expectation(self) -> str | None:
+        return expectation(self.outcome, self.expected_failure)
+
     def summary(self) -> str:
         """One line naming the failing output and where (for tables and JUnit messages)."""
         if self.outcome in ("unsupported", "skipped", "error"):
             return "; ".join(self.reasons)[:300]
-        bad = [(name, m) for name, m in self.metrics.items() if isinstance(m, dict) and m.get("passed") is False]
-        if not bad:
-            return far_not_run(self.metrics)[:300]
-        name, m = bad[0]
-        where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
-        return f"{self.op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
+        return first_failure(self.op, self.metrics) or far_not_run(self.metrics)[:300]
 
     def as_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "op": self.op, "case": self.case, "outcome": self.outcome,
@@ -116,6 +117,26 @@ def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
     hints = {"extra_kind": LayerKind(prepared.case.kind).compressed_list}
     fields = request_fields(prepared.case.op, args, kwargs, hints if prepared.case.op == "sparse_attention" else None)
     return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
+
+
+def expectation(outcome: str, expected_failure: str | None) -> str | None:
+    """``"xfail"``: a row listed in the backend's ``expected_failures`` that failed or errored (reported, not
+    a failure); ``"xpass"``: listed and passed (reported, not a failure); None otherwise. The one rule that
+    the table, the JSON summary and JUnit share."""
+    if not expected_failure:
+        return None
+    if outcome in ("failed", "error"):
+        return "xfail"
+    return "xpass" if outcome == "passed" else None
+
+
+def first_failure(op: str, metrics: dict[str, Any]) -> str:
+    """``op.output: reason; max abs err E at [where]`` of the first failing metric, or ""."""
+    for name, m in metrics.items():
+        if isinstance(m, dict) and m.get("passed") is False:
+            where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
+            return f"{op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
+    return ""
 
 
 def expected_failure_for(backend: Backend, case_id: str) -> str | None:
