@@ -204,6 +204,13 @@ class Attention(nn.Module):
         # reserve_positions() sizes it ahead of CUDA-graph capture.
         self.register_buffer("cos_sin", rope_cos_sin(cfg, layer_id, max_positions=1024), persistent=False)
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles start without the per-process caches: selections (they hold the registry's
+        backends, which a deep copy would duplicate), side streams, the fp32-parameter slots."""
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state.update(_selection_memo={}, _streams={}, _fp32_parameter_slots=None)
+        return state
+
     def reserve_positions(self, num_positions: int) -> None:
         """Make the RoPE table hold positions ``[0, num_positions)`` (capped at max_position_embeddings)."""
         if num_positions <= self.cos_sin.shape[0]:

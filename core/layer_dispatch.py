@@ -8,8 +8,10 @@ from ``plan_step`` (valid by construction), ``Attention._check`` has checked the
 accelerator that costs ~40-60% of an eager decode step's host time (``tools/host_overhead.py``).
 :func:`direct_calls` says when the layer may skip both and call the selected backends itself:
 
-* eager only: never while ``torch.compile`` traces, under a ``torch_dispatch`` mode (``make_fx``, fake
-  tensors, functionalization) or for tensor subclasses; these keep the opaque custom ops;
+* eager inference only: never with autograd on (the custom ops refuse a backward; the backends alone
+  would give partial gradients), while ``torch.compile`` or ``torch.jit.trace`` traces, under a
+  ``torch_dispatch`` mode (``make_fx``, fake tensors, functionalization) or autocast, or for tensor
+  subclasses; these keep the opaque custom ops;
 * never where the ops' value checks run (the CPU, or an accelerator with ``DSV4_VALIDATE=1`` /
   ``set_value_checks(True)``): those callers asked for every index to be range-checked.
 
@@ -38,6 +40,7 @@ __all__ = ["DirectOps", "direct_calls", "resolve_backends"]
 # for the indexer keys, and the two may select different backends.
 INDEXER_KEYS = "indexer_keys"
 _OP_OF_ROLE = {INDEXER_KEYS: "compress_insert"}
+_MEMO_ENTRIES = 256  # selections a layer keeps (HCA widths grow by 64 entries: 128 at a 1M context)
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -50,22 +53,28 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
     (or a bad ``DSV4_BACKEND``) raises here.
 
     attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
-    row range); otherwise only the cache writes run. The selection depends on nothing but the key below,
-    the registry (its generation) and ``DSV4_BACKEND``, so it is made once per layer and key; a later
-    call inside ``record_selections`` still records it."""
+    row range); otherwise only the cache writes run. The selection is made once per layer and key: the
+    key holds every request field's source (device, dtype, cache formats, rows, HCA width, the layer's
+    profile and config), the registry's generation (a backend registered or removed), ``DSV4_BACKEND`` and
+    the layer's ``backends`` (a ``Backend`` instance by identity: it need not be hashable). An unregistered
+    instance's ``probe`` and ``not_supported_reasons`` are therefore asked once per key, not every forward.
+    A later call inside ``record_selections`` still records the selection."""
     md, cache = step.metadata, step.cache
     hca_width = (md.ratios[attn.kind.ratio].hca_indices.shape[1]
                  if attends and attn.compressor is not None and attn.indexer is None else None)
     registry = get_registry()
-    key = (x.device, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width, registry.generation,
-           os.environ.get("DSV4_BACKEND", ""), tuple(attn.backends.items()))
+    key = (x.device, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width, attn.profile,
+           id(attn.cfg), registry.generation, os.environ.get("DSV4_BACKEND", ""),
+           tuple((op, b if isinstance(b, str) else id(b)) for op, b in attn.backends.items()))
     memo = attn._selection_memo
     chosen = memo.get(key)
     if chosen is None:
         be = attn.backends
         chosen = {role: resolve(op, x.device, be[op], **fields)
                   for role, op, fields in _request_fields_of_forward(attn, x, cache, attends, hca_width)}
-        memo[key] = chosen
+        if len(memo) >= _MEMO_ENTRIES:  # stale generations, many HCA widths: start over
+            memo.clear()
+        memo[key] = chosen  # holds the instances keyed by id: their ids cannot be reused meanwhile
     else:
         for role, impl in chosen.items():
             record(_OP_OF_ROLE.get(role, role), impl)
@@ -104,9 +113,13 @@ def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVC
 
 
 def direct_calls(x: torch.Tensor) -> bool:
-    """The layer may call its selected backends directly (module docstring): eager, no tracing, no
-    value checks for ``x``'s device. Host checks only (no device query beyond a capture test)."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    """The layer may call its selected backends directly (module docstring): eager inference (no autograd:
+    the custom ops have no backward, so a backward through the ops fails loudly where the backends
+    called directly would give partial gradients), no tracing (``torch.compile``, ``torch.jit.trace``, any
+    ``torch_dispatch`` mode, tensor subclasses), no autocast, no value checks for ``x``'s device. Host
+    checks only (no device query beyond a capture test)."""
+    if (type(x) is not torch.Tensor or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() or torch.is_autocast_enabled(x.device.type)):
         return False
     return not device_value_checks(x.device)
 

@@ -120,7 +120,7 @@ def op_breakdown(run, device: str, calls: int) -> list[dict]:
     calls_seen: list[tuple] = []
     public_us: dict[str, float] = {}
     original_call = ops._call
-    originals = {name: getattr(ops, name) for name in ops.OP_NAMES}
+    originals = {name: getattr(ops, name) for name in (*ops.OP_NAMES, "indexer_topk_slots")}
 
     def recording_call(op, backend, args, kwargs, hints=None):
         calls_seen.append((op, backend, args, kwargs, hints or {}))
@@ -170,6 +170,10 @@ def op_breakdown(run, device: str, calls: int) -> list[dict]:
         per_op_calls[row["op"]] = per_op_calls.get(row["op"], 0) + 1
     for row in rows:  # the public time is summed over the op's calls in a forward: share it
         row["public"] = public_us.get(row["op"], 0.0) / calls / per_op_calls[row["op"]]
+    if "indexer_topk_slots" in public_us:  # it wraps indexer_topk: the rest is topk_local_to_global's torch ops
+        rows.append({"op": "topk_local_to_global", "runs_on": "torch", "custom_op": None, "run_backend": None,
+                     "backend": None,
+                     "public": (public_us["indexer_topk_slots"] - public_us.get("indexer_topk", 0.0)) / calls})
     return rows
 
 

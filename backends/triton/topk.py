@@ -318,7 +318,8 @@ def local_to_global(local: torch.Tensor, token_request: torch.Tensor, block_tabl
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``dsv4.metadata.topk_local_to_global`` in one launch: local [T, K] int32 request-local indices (-1
     padded), token_request [T] int32/int64, block_table [R, mb] int32 -> (slots [T, K] int32, -1 where the
-    index is negative or its page is past the table or unallocated; lens [T] int32, the slots >= 0 a row)."""
+    index is negative or its page is past the table or unallocated; lens [T] int32, the slots >= 0 a row).
+    Request ids must lie in ``[0, R)`` (the ops' value checks, or ``plan_step``, guarantee it)."""
     num_tokens, k = local.shape
     slots = torch.empty((num_tokens, k), dtype=torch.int32, device=local.device)
     lens = torch.empty((num_tokens,), dtype=torch.int32, device=local.device)
@@ -328,6 +329,6 @@ def local_to_global(local: torch.Tensor, token_request: torch.Tensor, block_tabl
         return slots, lens.zero_()
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     extra = {} if INTERPRET else {"num_warps": 4}
-    _local_to_global_kernel[(num_tokens,)](local.contiguous(), token_request, table, table.stride(0),
+    _local_to_global_kernel[(num_tokens,)](local.contiguous(), token_request.contiguous(), table, table.stride(0),
                                            table.shape[1], block_size, slots, lens, k, KP=next_pow2(k), **extra)
     return slots, lens

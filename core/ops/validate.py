@@ -92,8 +92,7 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     """
     if t.device.type != "cpu" and not (_env_enabled() if _switch is None else _switch):
         return False  # the accelerator default, first: the tests below cost microseconds an op call
-    if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t) \
-            or torch._C._len_torch_dispatch_stack():  # make_fx, functionalization: values are proxies
+    if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t) or _proxy_tracing():
         return False
     return device_value_checks(t.device)
 
@@ -107,6 +106,17 @@ def device_value_checks(device: torch.device) -> bool:
     if not (_env_enabled() if _switch is None else _switch):
         return False
     return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _proxy_tracing() -> bool:
+    """``make_fx`` or functionalization is tracing: tensor values are proxies (other dispatch modes, such
+    as ``FlopCounterMode``, hold real tensors and keep the checks)."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode  # late: only while a mode is active
+
+    return get_proxy_mode() is not None or \
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -63,6 +63,7 @@ def test_direct_calls_write_and_return_the_same_bits_as_the_ops(monkeypatch, lay
     assert all(torch.equal(cache[k].view(torch.uint8), ref_cache[k].view(torch.uint8)) for k in cache)
 
 
+@torch.no_grad()
 def test_direct_calls_only_where_nothing_traces_and_nothing_value_checks(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,6 +72,8 @@ def test_direct_calls_only_where_nothing_traces_and_nothing_value_checks(monkeyp
     assert not layer_dispatch.direct_calls(x)  # the CPU value-checks every call
     _direct(monkeypatch, True)
     assert layer_dispatch.direct_calls(x)
+    with torch.enable_grad():  # the custom ops refuse a backward; the backends alone would not
+        assert not layer_dispatch.direct_calls(x)
     with FakeTensorMode() as mode:
         assert not layer_dispatch.direct_calls(mode.from_tensor(x))
 
@@ -80,8 +83,23 @@ def test_direct_calls_only_where_nothing_traces_and_nothing_value_checks(monkeyp
 
     with Passthrough():  # make_fx and functionalization trace through a dispatch mode
         assert not layer_dispatch.direct_calls(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer_dispatch.direct_calls(x)
+    monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
+    assert not layer_dispatch.direct_calls(x)
+    monkeypatch.setattr(torch.jit, "is_tracing", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not layer_dispatch.direct_calls(x)
+
+
+def test_value_checks_stay_on_under_modes_that_hold_real_tensors():
+    """Only proxy tracing (make_fx, functionalization) turns the CPU's value checks off."""
+    from dsv4.ops.validate import value_checks_enabled
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.zeros(2, 3)
+    with FlopCounterMode(display=False):
+        assert value_checks_enabled(x)
 
 
 def test_make_fx_of_the_layer_keeps_the_opaque_custom_ops(monkeypatch):
@@ -143,3 +161,40 @@ def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_chang
     finally:
         registry.unregister_backend("counting_reference")
         os.environ.pop("DSV4_BACKEND", None)
+
+
+def test_grad_mode_goes_through_the_ops(monkeypatch):
+    """With autograd on, the layer takes the custom ops (which refuse a backward) even where eager
+    inference would call the backends directly."""
+    calls = _count_custom_ops(monkeypatch)
+    _direct(monkeypatch, True)
+    attn = _layer(2)
+    cache = PagedKVCache(CFG, [2], num_blocks=64)
+    attn(_x(4, 0), cache.plan_step([StepRequest("a", 4)]))
+    assert "sparse_attention" in calls
+
+
+def test_a_backend_instance_needs_no_hash_and_copies_keep_the_registry_backends(monkeypatch):
+    import copy
+    from dataclasses import dataclass
+
+    @dataclass
+    class Tuned(ReferenceBackend):  # a dataclass with eq: unhashable
+        knob: int = 1
+
+    _direct(monkeypatch, True)
+    attn = _layer(1, backends=Tuned())
+    cache = PagedKVCache(CFG, [1], num_blocks=64)
+    with torch.no_grad():
+        for n in (5, 1):
+            attn(_x(n, n), cache.plan_step([StepRequest("a", n)]))
+    assert len(attn._selection_memo) == 1  # the prefill's selection, reused by the decode
+    reference = _layer(2)
+    with torch.no_grad():
+        reference(_x(3, 0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
+    twin = copy.deepcopy(reference)
+    assert twin._selection_memo == {}  # rebuilt on the copy's first forward, with the registry's own backends
+    with torch.no_grad():
+        twin(_x(3, 0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
+    (chosen,) = twin._selection_memo.values()
+    assert all(impl is get_registry().get("reference") for impl in chosen.values())

@@ -22,5 +22,7 @@ def test_measure_times_both_paths_and_every_call(monkeypatch):
                                       "sparse_attention", "output_projection"}
     assert set(hca["direct_ops"]) == {"qnorm_rope_insert", "compress_insert", "sparse_attention", "output_projection"}
     assert [o["op"] for o in csa["ops"]].count("compress_insert") == 2  # latent cache and indexer keys
-    assert all(o["runs_on"] == "reference" and o["backend"] > 0 for o in csa["ops"])
+    *calls, conversion = csa["ops"]  # the torch conversion of the ops path is a row of its own
+    assert all(o["runs_on"] == "reference" and o["backend"] > 0 for o in calls)
+    assert conversion["op"] == "topk_local_to_global" and conversion["public"] > 0
     assert len(profiles) == 2 and "cumulative" in profiles[0]

@@ -120,6 +120,14 @@ def test_local_to_global_is_the_metadata_conversion(monkeypatch) -> None:
         assert slots.dtype == lens.dtype == torch.int32
         assert torch.equal(slots, want_slots), (tokens, width, blocks, block_size)
         assert torch.equal(lens, want_lens)
+    table = torch.randint(0, 90, (4, 3), generator=g, dtype=torch.int32)
+    local = torch.randint(0, 3 * 4, (6, 16), generator=g, dtype=torch.int32)
+    strided_request = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3], dtype=torch.int32)[::2]  # ids 0, 2, 0, ...
+    slots, lens = topk.local_to_global(local, strided_request, table, 4)
+    assert torch.equal(slots, topk_local_to_global(local, strided_request, table, 4)[0])
     empty = torch.zeros((0, 8), dtype=torch.int32)
     slots, lens = topk.local_to_global(empty, torch.zeros(0, dtype=torch.int32), table, 4)
     assert slots.shape == (0, 8) and lens.shape == (0,)
+    slots, lens = topk.local_to_global(torch.zeros((3, 0), dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+                                       table, 4)
+    assert slots.shape == (3, 0) and lens.tolist() == [0, 0, 0]
