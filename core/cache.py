@@ -394,10 +394,12 @@ class PagedKVCache:
             comp_bt, state_bt = comp.table_tensor(ids, dev), state.table_tensor(ids, dev)
             closes = (positions + 1) % r == 0
             entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
-            hca_indices = hca_lens = None
+            hca_indices = hca_lens = topk_lens = None
             if LayerKind.from_ratio(r) == LayerKind.HCA:  # per-request rows gathered per token (SPEC §10)
                 hca_indices, hca_lens = dense_compressed_indices(positions, token_request, comp_bt, comp.block_size,
                                                                  r, max_seq_len // r)
+            else:  # CSA: the indexer's picks that can be valid, one tensor for every CSA layer of the step
+                topk_lens = ((positions + 1) // r).clamp(max=self.cfg.index_topk).to(torch.int32)
             ratios[r] = RatioMetadata(
                 ratio=r,
                 compressed_slot_mapping=slots_from_block_table(entry, token_request, comp_bt, comp.block_size),
@@ -406,6 +408,7 @@ class PagedKVCache:
                 state=GroupTable(state_bt, state.block_size),
                 hca_indices=hca_indices,
                 hca_lens=hca_lens,
+                topk_lens=topk_lens,
             )
 
         return StepMetadata(

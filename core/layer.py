@@ -51,6 +51,13 @@ def _on(streams: tuple | None, which: int) -> Iterator[None]:
             yield
 
 
+def _rows(t: torch.Tensor, lo: int, hi: int, total: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a step-metadata tensor, or the tensor itself when that is all of it: every layer
+    of the step then passes the same objects, and a kernel's per-step plan keyed on them (FlashMLA's tile
+    schedule) is made once a step instead of once a layer."""
+    return t if lo == 0 and hi == total else t[lo:hi]
+
+
 class RMSNorm(nn.Module):
     """Weighted RMSNorm (SPEC §3 step 1): fp32 math, output in the input's dtype. weight: [dim] fp32."""
 
@@ -291,10 +298,13 @@ class Attention(nn.Module):
         iq = idx.wq_b(qr[lo:hi]).view(hi - lo, idx.n_heads, idx.head_dim)
         qi, wi = calls.indexer_q(iq, idx.weights_proj(x[lo:hi]), positions, self.cos_sin, profile=self.profile,
                                backend=be["indexer_q"])
-        return calls.indexer_topk_slots(qi, wi, positions, token_request, lc.indexer_keys, rm.compressed.block_table,
-                                        rm.compressed.block_table, topk=cfg.index_topk, key_format=key_format,
-                                        compressed_block_size=rm.compressed.block_size, ratio=4,
-                                        backend=be["indexer_topk"])
+        slots, lens = calls.indexer_topk_slots(qi, wi, positions, token_request, lc.indexer_keys,
+                                               rm.compressed.block_table, rm.compressed.block_table,
+                                               topk=cfg.index_topk, key_format=key_format,
+                                               compressed_block_size=rm.compressed.block_size, ratio=4,
+                                               backend=be["indexer_topk"])
+        # the step's bound on valid picks, one tensor for every CSA layer (RatioMetadata.topk_lens)
+        return slots, lens if rm.topk_lens is None else _rows(rm.topk_lens, lo, hi, md.num_tokens)
 
     def forward(self, x: torch.Tensor, step: Step, rows: slice | None = None) -> torch.Tensor:
         """x: ``[T, hidden]`` (bf16, or float64 for the ideal) -> ``[T, hidden]`` of the same dtype.
@@ -353,7 +363,7 @@ class Attention(nn.Module):
                     out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
                     windows_in_call=md.windows_in_step(self.kind.ratio), backend=be["compress_insert"])
             if self.indexer is None:  # HCA: every visible compressed entry
-                extra_indices, extra_lens = rm.hca_indices[lo:hi], rm.hca_lens[lo:hi]
+                extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
             else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                 with _on(streams, 1):
                     extra_indices, extra_lens = self._indexer(calls, x, qr, step, lo, hi)
@@ -372,10 +382,11 @@ class Attention(nn.Module):
                     t.record_stream(main)
         if hi == lo:  # an empty shard: nothing to attend (the caches are updated above)
             return x.new_zeros(0, cfg.hidden_size)
-        o, _lse = calls.sparse_attention(q[lo:hi], lc.swa, md.swa_indices[lo:hi], md.swa_lens[lo:hi], extra_cache,
-                                       extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
-                                       softmax_scale=D ** -0.5, profile=self.profile,
-                                       extra_kind=self.kind.compressed_list,
-                                       backend=be["sparse_attention"])
+        o, _lse = calls.sparse_attention(q[lo:hi], lc.swa, _rows(md.swa_indices, lo, hi, T),
+                                         _rows(md.swa_lens, lo, hi, T), extra_cache,
+                                         extra_indices, extra_lens, self.attn_sink, kv_format=kv_format,
+                                         softmax_scale=D ** -0.5, profile=self.profile,
+                                         extra_kind=self.kind.compressed_list,
+                                         backend=be["sparse_attention"])
         return calls.output_projection(o, positions, self.cos_sin, self.wo_a.weight, self.wo_b.weight,
                                      fp8_activations=self.fp8_output, backend=be["output_projection"])

@@ -55,6 +55,11 @@ class RatioMetadata:
     state: the compressor-state group's table (indexed by absolute position).
     hca_indices / hca_lens: r=128 only: ``[T, W]`` int32 global slots of every visible entry
         ``i < (p+1)//128`` (-1 padded, W a multiple of 128) and ``[T]`` int32 counts.
+    topk_lens: r=4 only: ``[T]`` int32 ``min(index_topk, (p+1)//4)``, how many of the indexer's picks
+        can be valid (they come first, SPEC §6.3). Every CSA layer of the step passes this one tensor as
+        sparse attention's extra lens: a pick on an unallocated page is a -1 slot inside it, skipped
+        (SPEC §7), and a kernel that plans its work from the lens (FlashMLA's tile schedule) plans it
+        once a step instead of once a layer. None where a builder does not give it.
     """
 
     ratio: int
@@ -64,6 +69,7 @@ class RatioMetadata:
     state: GroupTable
     hca_indices: torch.Tensor | None = None
     hca_lens: torch.Tensor | None = None
+    topk_lens: torch.Tensor | None = None
 
 
 def closing_windows_in_call(context_lens: Sequence[int], query_lens: Sequence[int], ratio: int) -> bool:

@@ -21,7 +21,7 @@ if [ "${1:-}" != "quick" ]; then
   step python3 tools/gpu_check.py
 fi
 step python3 tools/bench_layer.py --batch 64 --context 4096 --json "$OUT/bench_layer.json"
-step python3 tools/profile_layer.py --json "$OUT/profile_layer.json" --top 12
+step python3 tools/profile_layer.py --json "$OUT/profile_layer.json" --top 12 --layers 1,4
 step python3 tools/host_overhead.py --json "$OUT/host_overhead.json"  # eager host time a step, direct vs via dsv4.ops
 if [ "${1:-}" != "quick" ]; then  # the mxfp4 indexer loop against variants that drop its work (~60 s; a table in the log)
   step python3 tools/indexer_floor.py

@@ -1,6 +1,7 @@
 """Where a layer decode step's GPU time goes: kernels per step, by name, for each backend choice.
 
     python3 tools/profile_layer.py [--preset v4-flash] [--batch 64] [--context 4096] [--backends auto,triton]
+        [--layers 1,4]
 
 Same setup as tools/bench_layer.py (filled caches, one decode step of ``batch`` requests). The step is
 captured in a CUDA graph and replayed ``--steps`` times under ``torch.profiler`` (CUDA activity);
@@ -22,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import _graph, decode_step
 
 
-def profile(preset: str, batch: int, context: int, backends: str, steps: int) -> list[dict]:
+def profile(preset: str, batch: int, context: int, backends: str, steps: int, layers: int = 1) -> list[dict]:
+    """Kernel time a step of ``layers`` layers of each kind (the same layer id, their own parameters): a
+    kernel that plans once a step (FlashMLA's scheduler) shows once however many layers run."""
     from dsv4 import Attention, ModelConfig
     from dsv4.specs.layer_kinds import LayerKind
     from torch.profiler import ProfilerActivity
@@ -34,14 +37,18 @@ def profile(preset: str, batch: int, context: int, backends: str, steps: int) ->
         layer_id = cfg.layer_ids(kind)[0]
         step = decode_step(cfg, [layer_id], batch, context, "cuda")
         x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
-        attn = Attention(cfg, layer_id, backends=backends)
-        attn.reset_parameters(torch.Generator().manual_seed(1))
-        attn = attn.to("cuda")
-        attn.reserve_positions(context + 2)
+        attns = []
+        for i in range(layers):
+            attn = Attention(cfg, layer_id, backends=backends)
+            attn.reset_parameters(torch.Generator().manual_seed(1 + i))
+            attn = attn.to("cuda")
+            attn.reserve_positions(context + 2)
+            attns.append(attn)
         per_kernel: dict[str, float] = collections.defaultdict(float)
+        launches: dict[str, float] = collections.defaultdict(float)
         with torch.no_grad():
-            def run(attn=attn, x=x, step=step):
-                return attn(x, step)
+            def run(attns=attns, x=x, step=step):
+                return [attn(x, step) for attn in attns][-1]
 
             for mode, fn in (("graph", _graph(run)), ("eager", run)):
                 for _ in range(5):
@@ -54,14 +61,16 @@ def profile(preset: str, batch: int, context: int, backends: str, steps: int) ->
                 for event in prof.events():
                     if event.device_type == torch.autograd.DeviceType.CUDA:
                         per_kernel[event.name] += event.time_range.elapsed_us() / steps
+                        launches[event.name] += 1 / steps
                 if per_kernel:  # graph-launched kernels were traced; else the eager kernels (same work)
                     break
         total = sum(per_kernel.values())
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
         rows.append({"preset": preset, "layer": f"{kind.name} {layer_id}", "backends": backends, "mode": mode,
-                     "batch": batch,
-                     "context": context, "kernel_us_total": total,
-                     "kernels": [{"name": name[:120], "us": us} for name, us in top]})
+                     "batch": batch, "context": context, "layers": layers, "kernel_us_total": total,
+                     "kernel_us_per_layer": total / layers,
+                     "kernels": [{"name": name[:120], "us": us, "launches": round(launches[name], 2)}
+                                 for name, us in top]})
     return rows
 
 
@@ -73,18 +82,21 @@ def main() -> None:
     parser.add_argument("--backends", default="auto,triton")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--layers", default="1", help="layers of each kind a step, a comma list (1,4)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for backends in args.backends.split(","):
-        rows += profile(args.preset, args.batch, args.context, backends, args.steps)
+    for layers in (int(n) for n in args.layers.split(",")):
+        for backends in args.backends.split(","):
+            rows += profile(args.preset, args.batch, args.context, backends, args.steps, layers)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"\n{r['preset']} {r['layer']} backends={r['backends']} batch {r['batch']} context {r['context']}: "
-              f"kernel time {r['kernel_us_total']:.1f} us a step ({r['mode']})")
+        print(f"\n{r['preset']} {r['layer']} x{r['layers']} backends={r['backends']} batch {r['batch']} context "
+              f"{r['context']}: kernel time {r['kernel_us_total']:.1f} us a step, {r['kernel_us_per_layer']:.1f} a "
+              f"layer ({r['mode']})")
         for k in r["kernels"][:args.top]:
-            print(f"  {k['us']:8.1f} us  {k['name']}")
+            print(f"  {k['us']:8.1f} us  {k['launches']:5.1f}x  {k['name']}")
 
 
 if __name__ == "__main__":

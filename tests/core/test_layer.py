@@ -199,3 +199,44 @@ def test_compressor_bf16_operand_path_only_for_bf16_valued_weights(monkeypatch):
 def linear_fp32(x: torch.Tensor, comp) -> torch.Tensor:
     w = torch.cat([comp.wkv.weight, comp.wgate.weight]).float()
     return x.float() @ w.t()
+
+
+def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
+    """Full-row forwards pass the step metadata's swa / HCA / top-k-lens tensors themselves, not slices, so
+    a kernel's plan keyed on them (FlashMLA's tile schedule) is made once a step, not once a layer; the
+    CSA lens are RatioMetadata.topk_lens = min(index_topk, (p+1)//4), which bound the valid picks."""
+    from dsv4.backends.reference import ReferenceBackend
+
+    seen = []
+
+    class Spy(ReferenceBackend):
+        name = "spy"
+
+        def sparse_attention(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+                             sink, **kwargs):
+            seen.append((swa_indices, swa_lens, extra_lens, extra_indices))
+            return super().sparse_attention(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                                            extra_lens, sink, **kwargs)
+
+    cache = PagedKVCache(CFG, [1, 2], num_blocks=256)
+    cache.plan_step([StepRequest("a", 300), StepRequest("b", 40)])
+    step = cache.plan_step([StepRequest("a", 1), StepRequest("b", 3)])
+    md = step.metadata
+    picks_of = {}
+    for layer_id, lens in ((1, md.ratios[4].topk_lens), (2, md.ratios[128].hca_lens)):
+        seen.clear()
+        with torch.no_grad():
+            for seed in (0, 1):  # two layers of the kind (the same id: a rerun of the step writes the same bytes)
+                attn = Attention(CFG, layer_id, backends={"sparse_attention": Spy()})
+                attn.reset_parameters(torch.Generator().manual_seed(seed))
+                attn(_x(4, torch.bfloat16), step)
+        (swa_a, swa_lens_a, extra_a, picks), (swa_b, swa_lens_b, extra_b, _) = seen
+        assert swa_a is swa_b is md.swa_indices and swa_lens_a is swa_lens_b is md.swa_lens
+        assert extra_a is extra_b is lens, layer_id
+        picks_of[layer_id] = picks
+    want = torch.minimum((md.positions + 1) // 4, torch.tensor(CFG.index_topk)).to(torch.int32)
+    assert torch.equal(md.ratios[4].topk_lens, want)
+    picks = picks_of[1]
+    cols = torch.arange(picks.shape[1])  # the CSA layer's picks: every valid one inside topk_lens
+    assert not ((picks >= 0) & (cols[None, :] >= want[:, None])).any()
+    assert ((picks >= 0).sum(1) == want).all()  # all pages allocated: every pick inside the lens is valid

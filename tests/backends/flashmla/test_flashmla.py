@@ -139,3 +139,35 @@ def test_registers_through_the_hook():
     flashmla.dsv4_register_backends(registered.append)
     assert [b.name for b in registered] == ["flashmla"]
     assert registered[0].capabilities.kv_formats == frozenset({"fp8_ds_mla"})
+
+
+def test_layers_of_a_step_share_one_schedule_per_kind():
+    """The layer hands attention the step's own length tensors (RatioMetadata.topk_lens for CSA), so two
+    CSA and two HCA layers of one step make two FlashMLA schedules, not four; the next step makes new ones."""
+    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+
+    class OnCpu(FlashMLABackend):  # the CPU model of the kernels stands in for a GPU
+        name = "flashmla-cpu-model"
+
+        def probe(self):
+            return []
+
+        def not_supported_reasons(self, request):
+            return []
+
+    fake = FakeFlashMLA()
+    backend = OnCpu(flash_mla=fake)
+    cfg = ModelConfig.preset("tiny")  # 1 CSA, 2 HCA
+    cache = PagedKVCache(cfg, [1, 2], num_blocks=256, profile="vllm")
+    layers = []
+    for layer_id in (1, 2, 1, 2):
+        attn = Attention(cfg, layer_id, profile="vllm", backends={"sparse_attention": backend})
+        attn.reset_parameters(torch.Generator().manual_seed(len(layers)))
+        layers.append(attn)
+    for n, created in ((40, 2), (1, 4)):  # a prefill step, then a decode step
+        step = cache.plan_step([StepRequest("a", n), StepRequest("b", n)])
+        x = torch.randn(2 * n, cfg.hidden_size, generator=torch.Generator().manual_seed(n)).bfloat16()
+        with torch.no_grad():
+            for attn in layers:
+                attn(x, step)
+        assert fake.metadata_created == created
