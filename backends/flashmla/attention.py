@@ -54,34 +54,50 @@ class SchedulerMetadataCache:
     ``flash_mla_with_kvcache`` fills a ``FlashMLASchedMeta`` on its first call; reusing it is valid
     only while shapes and the VALUES of ``topk_length`` / ``extra_topk_length`` are unchanged, and
     the kernel does not check the values. Every layer of one kind in one step passes the same
-    step-metadata length tensors, so an entry is reused only for the very same tensor objects
-    (held here, so their memory cannot be recycled) at the same in-place version; a new step,
-    or lengths edited in place, makes a new schedule. One entry per layer kind.
-    Call :meth:`reset` at a step boundary to drop the entries (and their tensors) early.
+    step-metadata length tensors (``Attention`` hands over the step's own tensors), so an entry is
+    reused only for the very same tensor objects (held here, so their memory cannot be recycled) at
+    the same in-place version; a new step, or lengths edited in place, makes a new schedule. One entry
+    per layer kind.
+
+    CUDA graphs: a schedule filled while a graph is captured is only computed when the graph replays, and
+    one filled outside a capture would be baked into the graph and go stale when the engine copies new
+    lengths into the same buffers. So entries are reused only within the same mode: inside a capture only
+    those made during capture (every layer of a captured step shares the schedule that its first layer
+    computes in the graph), outside only those made outside, and any call outside a capture drops the
+    captured ones. Call :meth:`reset` before capturing a graph whose length tensors an earlier capture used
+    without an eager call in between (an engine warms up before each capture, which does it).
     """
 
-    entries: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...], Any]] = \
+    entries: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...], Any, bool]] = \
         field(default_factory=dict)
     created: int = 0
 
     def get(self, flash_mla: Any, layer_kind: str, shape_key: tuple[Any, ...],
             lengths: tuple[torch.Tensor, ...]) -> Any:
         """The scheduler metadata for ``layer_kind``, new when shapes or length tensors changed."""
+        capturing = _capturing(lengths[0]) if lengths else False
+        if not capturing:
+            self.entries = {k: e for k, e in self.entries.items() if not e[4]}
         versions = tuple(t._version for t in lengths)
         entry = self.entries.get(layer_kind)
         if entry is not None:
-            key, tensors, old_versions, meta = entry
-            if key == shape_key and old_versions == versions and \
+            key, tensors, old_versions, meta, captured = entry
+            if key == shape_key and old_versions == versions and captured == capturing and \
                     len(tensors) == len(lengths) and all(a is b for a, b in zip(tensors, lengths)):
                 return meta
         meta, _ = flash_mla.get_mla_metadata()
-        self.entries[layer_kind] = (shape_key, lengths, versions, meta)
+        self.entries[layer_kind] = (shape_key, lengths, versions, meta, capturing)
         self.created += 1
         return meta
 
     def reset(self) -> None:
         """Forget every schedule (call once per step, or let tensor identity do it)."""
         self.entries.clear()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (a host query, no sync)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _layer_kind(extra_cache_view: torch.Tensor | None, extra_width: int) -> str:

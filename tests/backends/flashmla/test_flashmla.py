@@ -102,6 +102,33 @@ def test_scheduler_metadata_once_per_layer_kind_per_step():
     assert fake.metadata_created == 4
 
 
+def test_schedules_are_not_shared_across_a_graph_capture(monkeypatch):
+    """A schedule made outside a capture is not baked into a graph (it would go stale when the engine
+    copies new lengths into the same buffers), layers inside one capture share the one made there, and
+    an eager call afterwards does not read a captured one (it is only computed when the graph replays)."""
+    from dsv4.backends.flashmla import attention
+
+    fake = FakeFlashMLA()
+    cache = SchedulerMetadataCache()
+    csa = make_case(num_tokens=4, heads=64, extra_block=64, extra_width=64)
+    capturing = [False]
+    monkeypatch.setattr(attention, "_capturing", lambda t: capturing[0])
+
+    def layer():
+        flashmla_decode(*csa.args(), softmax_scale=SOFTMAX_SCALE, scheduler_cache=cache, flash_mla=fake)
+
+    layer()  # eager warm-up
+    layer()
+    assert fake.metadata_created == 1
+    capturing[0] = True  # the step captured: its first layer computes the schedule in the graph
+    layer()
+    layer()
+    assert fake.metadata_created == 2
+    capturing[0] = False  # eager again with the same tensors
+    layer()
+    assert fake.metadata_created == 3
+
+
 @pytest.mark.parametrize("change,error,match", [
     ({"kv_format": "bf16"}, DSV4ValueError, "kv_format"),
     ({"q": torch.zeros(3, 8, 512)}, DSV4TypeError, "q: expected dtype"),
