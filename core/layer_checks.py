@@ -63,7 +63,8 @@ def check_step(step: object) -> PagedKVCache:
 
 
 def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
-    """The cache was built for a config that agrees with the layer's: profile, layer kind, window."""
+    """The cache was built for a config that agrees with the layer's: profile, layer kind, window, and for a
+    CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's)."""
     cache.check_profile(attn.profile)
     lc = cache.layer(attn.layer_id)
     if lc.kind != attn.kind:
@@ -75,6 +76,9 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
     if cache.window != attn.cfg.sliding_window:
         raise CacheLayoutError.of("step.cache sliding_window", f"{attn.cfg.sliding_window} (the layer's config)",
                                   cache.window, hint="build the cache and the layer from the same ModelConfig")
+    if attn.indexer is not None and cache.cfg.index_topk != attn.cfg.index_topk:  # sizes RatioMetadata.topk_lens
+        raise CacheLayoutError.of("step.cache index_topk", f"{attn.cfg.index_topk} (the layer's config)",
+                                  cache.cfg.index_topk, hint="build the cache and the layer from the same ModelConfig")
 
 
 def _fp32_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor]]:

@@ -58,8 +58,9 @@ class RatioMetadata:
     topk_lens: r=4 only: ``[T]`` int32 ``min(index_topk, (p+1)//4)``, how many of the indexer's picks
         can be valid (they come first, SPEC §6.3). Every CSA layer of the step passes this one tensor as
         sparse attention's extra lens: a pick on an unallocated page is a -1 slot inside it, skipped
-        (SPEC §7), and a kernel that plans its work from the lens (FlashMLA's tile schedule) plans it
-        once a step instead of once a layer. None where a builder does not give it.
+        (SPEC §10: -1 is padding; ARCHITECTURE §3), and a kernel that plans its work from the lens
+        (FlashMLA's tile schedule) plans it once a step instead of once a layer. None where a builder
+        does not give it.
     """
 
     ratio: int

@@ -66,6 +66,10 @@ class SchedulerMetadataCache:
     computes in the graph), outside only those made outside, and any call outside a capture drops the
     captured ones. Call :meth:`reset` before capturing a graph whose length tensors an earlier capture used
     without an eager call in between (an engine warms up before each capture, which does it).
+
+    Inference tensors (``torch.inference_mode``) carry no version counter, so an in-place refill of a
+    length buffer could not be told from the same lengths: eager calls on them get a schedule each (as
+    before this cache shared any); inside a capture they share as above.
     """
 
     entries: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...], Any, bool]] = \
@@ -78,7 +82,14 @@ class SchedulerMetadataCache:
         capturing = _capturing(lengths[0]) if lengths else False
         if not capturing:
             self.entries = {k: e for k, e in self.entries.items() if not e[4]}
-        versions = tuple(t._version for t in lengths)
+        if any(t.is_inference() for t in lengths):  # no version counter: an in-place refill would not show
+            versions = None
+            if not capturing:  # eager: a schedule a call (a capture replays consistent values, so it shares)
+                meta, _ = flash_mla.get_mla_metadata()
+                self.created += 1
+                return meta
+        else:
+            versions = tuple(t._version for t in lengths)
         entry = self.entries.get(layer_kind)
         if entry is not None:
             key, tensors, old_versions, meta, captured = entry

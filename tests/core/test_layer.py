@@ -226,7 +226,7 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
     for layer_id, lens in ((1, md.ratios[4].topk_lens), (2, md.ratios[128].hca_lens)):
         seen.clear()
         with torch.no_grad():
-            for seed in (0, 1):  # two layers of the kind (the same id: a rerun of the step writes the same bytes)
+            for seed in (0, 1):  # two layers of the kind (the same id and cache layer, their own parameters)
                 attn = Attention(CFG, layer_id, backends={"sparse_attention": Spy()})
                 attn.reset_parameters(torch.Generator().manual_seed(seed))
                 attn(_x(4, torch.bfloat16), step)

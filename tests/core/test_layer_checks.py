@@ -123,6 +123,7 @@ def test_layer_cast_to_bf16_names_the_fp32_parameter(layer_id):
     (1, {"compress_ratios": (0, 128, 4, 0)}, "step.cache layer 1: expected a CSA layer .*got HCA"),
     (2, {"compress_ratios": (0, 128, 4, 0)}, "step.cache layer 2: expected a HCA layer .*got CSA"),
     (0, {"sliding_window": 64}, "step.cache sliding_window: expected 128 .*got 64"),
+    (1, {"index_topk": 16}, "step.cache index_topk: expected 8 .*got 16"),
 ])
 @torch.no_grad()
 def test_cache_built_from_another_config_is_refused(layer_id, cache_cfg, message):

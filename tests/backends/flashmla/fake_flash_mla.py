@@ -25,6 +25,7 @@ _FMT = get_format("fp8_ds_mla")
 class FakeSchedMeta:
     have_initialized: bool = False
     config: tuple | None = None
+    lengths: tuple | None = None  # the length values the schedule was filled for (the kernel's precondition)
 
 
 def _storage_of_view(view: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -107,9 +108,12 @@ class FakeFlashMLA:
                   None if extra_k_cache is None else extra_k_cache.shape[1],
                   None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1])
         meta = tile_scheduler_metadata
+        lengths = tuple(None if t is None else t.clone() for t in (topk_length, extra_topk_length))
         if meta.have_initialized:
             assert meta.config == config, "inputs inconsistent with sched_meta"
-        meta.have_initialized, meta.config = True, config
+            assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                       for a, b in zip(meta.lengths, lengths, strict=True)), "a schedule reused for other lengths"
+        meta.have_initialized, meta.config, meta.lengths = True, config, lengths
         keys, valid = self._gather(k_cache, indices[:, 0], topk_length)
         if extra_k_cache is not None:
             extra_keys, extra_valid = self._gather(extra_k_cache, extra_indices_in_kvcache[:, 0], extra_topk_length)

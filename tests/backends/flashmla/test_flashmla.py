@@ -129,6 +129,69 @@ def test_schedules_are_not_shared_across_a_graph_capture(monkeypatch):
     assert fake.metadata_created == 3
 
 
+def test_an_eager_call_drops_the_schedules_captured_for_every_kind(monkeypatch):
+    """Capture CSA and HCA, run HCA alone eagerly, capture CSA again: the second capture makes its own CSA
+    schedule (the first capture's is only computed when that graph replays)."""
+    from dsv4.backends.flashmla import attention
+
+    fake = FakeFlashMLA()
+    cache = SchedulerMetadataCache()
+    csa = make_case(num_tokens=4, heads=64, extra_block=64, extra_width=64)
+    hca = make_case(num_tokens=4, heads=64, extra_block=2, extra_width=7)
+    capturing = [True]
+    monkeypatch.setattr(attention, "_capturing", lambda t: capturing[0])
+
+    def layer(case):
+        flashmla_decode(*case.args(), softmax_scale=SOFTMAX_SCALE, scheduler_cache=cache, flash_mla=fake)
+
+    layer(csa)
+    layer(hca)
+    assert fake.metadata_created == 2
+    capturing[0] = False
+    layer(hca)
+    assert fake.metadata_created == 3
+    capturing[0] = True
+    layer(csa)
+    assert fake.metadata_created == 4
+
+
+def test_inference_tensors_get_a_schedule_each_eagerly_and_share_in_a_capture(monkeypatch):
+    """Inference tensors have no version counter (an in-place refill would go unseen): eager calls do
+    not share schedules on them, calls inside one capture do."""
+    from dsv4.backends.flashmla import attention
+
+    fake = FakeFlashMLA()
+    cache = SchedulerMetadataCache()
+    with torch.inference_mode():
+        csa = make_case(num_tokens=4, heads=64, extra_block=64, extra_width=64)
+        capturing = [False]
+        monkeypatch.setattr(attention, "_capturing", lambda t: capturing[0])
+
+        def layer():
+            flashmla_decode(*csa.args(), softmax_scale=SOFTMAX_SCALE, scheduler_cache=cache, flash_mla=fake)
+
+        layer()
+        layer()
+        assert fake.metadata_created == 2
+        capturing[0] = True
+        layer()
+        layer()
+        assert fake.metadata_created == 3
+
+
+def test_a_reused_schedule_with_other_lengths_fails_in_the_model():
+    """The CPU model holds FlashMLA's precondition: a schedule is only valid for the lengths it was made for."""
+    fake = FakeFlashMLA()
+    csa = make_case(num_tokens=4, heads=64, extra_block=64, extra_width=64)
+    meta, _ = fake.get_mla_metadata()
+    layer = SchedulerMetadataCache()
+    layer.get = lambda *a, **k: meta  # a cache that always reuses
+    flashmla_decode(*csa.args(), softmax_scale=SOFTMAX_SCALE, scheduler_cache=layer, flash_mla=fake)
+    csa.extra_lens = csa.extra_lens - 1
+    with pytest.raises(AssertionError, match="other lengths"):
+        flashmla_decode(*csa.args(), softmax_scale=SOFTMAX_SCALE, scheduler_cache=layer, flash_mla=fake)
+
+
 @pytest.mark.parametrize("change,error,match", [
     ({"kv_format": "bf16"}, DSV4ValueError, "kv_format"),
     ({"q": torch.zeros(3, 8, 512)}, DSV4TypeError, "q: expected dtype"),
