@@ -120,6 +120,19 @@ def bench(batch: int, context: int, backends: str, preset: str = "v4-flash", dev
     return rows
 
 
+def make_layers(cfg: ModelConfig, layer_id: int, backends: str, count: int, context: int,
+                device: str = "cuda") -> list[Attention]:
+    """``count`` layers of ``layer_id`` (their own seeded parameters) on ``device``, RoPE rows for ``context``."""
+    attns = []
+    for i in range(count):
+        attn = Attention(cfg, layer_id, backends=backends)
+        attn.reset_parameters(torch.Generator().manual_seed(1 + i))
+        attn = attn.to(device)
+        attn.reserve_positions(context + 2)
+        attns.append(attn)
+    return attns
+
+
 def _copy_metadata_(dst, src) -> None:
     """Every tensor of step metadata ``src`` into ``dst``'s (same shapes): how an engine feeds a captured
     graph a new step."""
@@ -168,13 +181,7 @@ def graph_new_step(batch: int, context: int, backends: str, layers: int = 2, pre
         layer_id = cfg.layer_ids(kind)[0]
         step_a, step_b = two_decode_steps(cfg, layer_id, batch, context, "cuda")
         x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
-        attns = []
-        for i in range(layers):
-            attn = Attention(cfg, layer_id, backends=backends)
-            attn.reset_parameters(torch.Generator().manual_seed(1 + i))
-            attn = attn.to("cuda")
-            attn.reserve_positions(context + 2)
-            attns.append(attn)
+        attns = make_layers(cfg, layer_id, backends, layers, context)
         with torch.no_grad():
             replay = _graph(lambda attns=attns, x=x, step=step_a: [attn(x, step) for attn in attns][-1])
             _copy_metadata_(step_a.metadata, step_b.metadata)

@@ -108,6 +108,25 @@ def _syncs_and_cpu_ops(fn, device: str, top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_wrapped(run, device: str, calls: int, owner, wrappers: dict, reset) -> None:
+    """``calls`` forwards with ``owner``'s attributes replaced by ``wrappers`` (after five warm-up forwards
+    and ``reset()``), the originals put back afterwards."""
+    originals = {name: getattr(owner, name) for name in wrappers}
+    for name, fn in wrappers.items():
+        setattr(owner, name, fn)
+    try:
+        for _ in range(5):
+            run()
+        reset()
+        _sync(device)
+        for _ in range(calls):
+            run()
+        _sync(device)
+    finally:
+        for name, fn in originals.items():
+            setattr(owner, name, fn)
+
+
 def op_breakdown(run, device: str, calls: int) -> list[dict]:
     """Host µs of each op call of one forward, four ways (no syncs between calls):
     ``public``: the ``dsv4.ops`` function (validation + custom op + selection + backend + launch),
@@ -140,18 +159,7 @@ def op_breakdown(run, device: str, calls: int) -> list[dict]:
         run()
     finally:
         ops._call = original_call
-    for name in originals:
-        setattr(ops, name, timed(name))
-    try:
-        _host_and_eager_us(run, device, calls)  # warm the wrappers
-        public_us.clear()
-        _sync(device)
-        for _ in range(calls):
-            run()
-        _sync(device)
-    finally:
-        for name, fn in originals.items():
-            setattr(ops, name, fn)
+    _run_wrapped(run, device, calls, ops, {name: timed(name) for name in originals}, public_us.clear)
     rows = []
     for op, backend, args, kwargs, hints in calls_seen:
         impl = resolve(op, args[0].device, backend, **library.request_fields(op, args, kwargs, hints))
@@ -195,19 +203,8 @@ def direct_breakdown(run, device: str, calls: int) -> dict[str, float]:
                 spent[name] += (time.perf_counter() - start) * 1e6
         return wrapper
 
-    for name in names:
-        setattr(DirectOps, name, timed(name))
-    try:
-        for _ in range(5):
-            run()
-        spent.update(dict.fromkeys(names, 0.0))
-        _sync(device)
-        for _ in range(calls):
-            run()
-        _sync(device)
-    finally:
-        for name, fn in originals.items():
-            setattr(DirectOps, name, fn)
+    _run_wrapped(run, device, calls, DirectOps, {name: timed(name) for name in names},
+                 lambda: spent.update(dict.fromkeys(names, 0.0)))
     return {name: us / calls for name, us in spent.items() if us}
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import _graph, decode_step
+from bench_layer import _graph, decode_step, make_layers
 
 
 def profile(preset: str, batch: int, context: int, backends: str, steps: int, layers: int = 1) -> list[dict]:
     """Kernel time a step of ``layers`` layers of each kind (the same layer id, their own parameters): a
     kernel that plans once a step (FlashMLA's scheduler) shows once however many layers run."""
-    from dsv4 import Attention, ModelConfig
+    from dsv4 import ModelConfig
     from dsv4.specs.layer_kinds import LayerKind
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -37,13 +37,7 @@ def profile(preset: str, batch: int, context: int, backends: str, steps: int, la
         layer_id = cfg.layer_ids(kind)[0]
         step = decode_step(cfg, [layer_id], batch, context, "cuda")
         x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
-        attns = []
-        for i in range(layers):
-            attn = Attention(cfg, layer_id, backends=backends)
-            attn.reset_parameters(torch.Generator().manual_seed(1 + i))
-            attn = attn.to("cuda")
-            attn.reserve_positions(context + 2)
-            attns.append(attn)
+        attns = make_layers(cfg, layer_id, backends, layers, context)
         per_kernel: dict[str, float] = collections.defaultdict(float)
         launches: dict[str, float] = collections.defaultdict(float)
         with torch.no_grad():

@@ -29,16 +29,21 @@ def _direct(monkeypatch, on: bool) -> None:
     monkeypatch.setattr(layer_dispatch, "device_value_checks", lambda device: not on)
 
 
-def _count_custom_ops(monkeypatch) -> list:
+def _spy(monkeypatch, owner, name: str) -> list:
+    """The first argument (the op) of every call of ``owner.name`` from now on."""
     seen = []
-    real = ops._call
+    real = getattr(owner, name)
 
     def spy(op, *args, **kwargs):
         seen.append(op)
         return real(op, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "_call", spy)
+    monkeypatch.setattr(owner, name, spy)
     return seen
+
+
+def _count_custom_ops(monkeypatch) -> list:
+    return _spy(monkeypatch, ops, "_call")
 
 
 @torch.no_grad()
@@ -123,14 +128,7 @@ class _Counting(ReferenceBackend):
 
 def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_changes(monkeypatch):
     _direct(monkeypatch, True)
-    resolved = []
-    real = layer_dispatch.resolve
-
-    def spy(op, *args, **kwargs):
-        resolved.append(op)
-        return real(op, *args, **kwargs)
-
-    monkeypatch.setattr(layer_dispatch, "resolve", spy)
+    resolved = _spy(monkeypatch, layer_dispatch, "resolve")
     attn = _layer(1)  # CSA: seven op calls a forward, compress_insert twice
     cache = PagedKVCache(CFG, [1], num_blocks=64)
 
