@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from dsv4.backend import Backend
 from dsv4.cache import PagedKVCache, Step
-from dsv4.ops.dispatch import record, resolve
+from dsv4.ops.dispatch import eager_untraced, record, resolve
 from dsv4.ops.library import request_fields
 from dsv4.ops.validate import device_value_checks
 from dsv4.registry import get_registry
@@ -113,15 +113,10 @@ def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVC
 
 
 def direct_calls(x: torch.Tensor) -> bool:
-    """The layer may call its selected backends directly (module docstring): eager inference (no autograd:
-    the custom ops have no backward, so a backward through the ops fails loudly where the backends
-    called directly would give partial gradients), no tracing (``torch.compile``, ``torch.jit.trace``, any
-    ``torch_dispatch`` mode, tensor subclasses), no autocast, no value checks for ``x``'s device. Host
-    checks only (no device query beyond a capture test)."""
-    if (type(x) is not torch.Tensor or torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() or torch.is_autocast_enabled(x.device.type)):
-        return False
-    return not device_value_checks(x.device)
+    """The layer may call its selected backends directly (module docstring): ``eager_untraced(x)`` (eager
+    inference, no tracing, no autocast) and no value checks for ``x``'s device. Host checks only (no device
+    query beyond a capture test)."""
+    return eager_untraced(x) and not device_value_checks(x.device)
 
 
 class DirectOps:

@@ -43,15 +43,17 @@ def _sync(device: str) -> None:
 @contextlib.contextmanager
 def _through_ops():
     """The layer calls ``dsv4.ops`` (boundary checks, custom ops, selection a call) instead of its
-    selected backends directly (``dsv4.layer_dispatch``): the path before the eighteenth round."""
+    selected backends directly (``dsv4.layer_dispatch``), and the ops go through their custom ops even in
+    eager inference: the path before the eighteenth round."""
     import dsv4.layer
+    import dsv4.ops
 
-    real = dsv4.layer.direct_calls
-    dsv4.layer.direct_calls = lambda x: False
+    real_direct, real_eager = dsv4.layer.direct_calls, dsv4.ops.eager_untraced
+    dsv4.layer.direct_calls = dsv4.ops.eager_untraced = lambda x: False
     try:
         yield
     finally:
-        dsv4.layer.direct_calls = real
+        dsv4.layer.direct_calls, dsv4.ops.eager_untraced = real_direct, real_eager
 
 
 def _host_and_eager_us(fn, device: str, calls: int, repeats: int = 5) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import torch
 from dsv4.backend import Backend, OpRequest, device_arch
 from dsv4.registry import get_registry
 
-__all__ = ["arch_of", "backend_name", "record", "record_selections", "resolve"]
+__all__ = ["arch_of", "backend_name", "eager_untraced", "record", "record_selections", "resolve"]
 
 _recorded: dict[str, set[str]] | None = None
 
@@ -60,3 +60,13 @@ def backend_name(backend: str | Backend | None) -> str:
     if isinstance(backend, Backend):
         return backend.name
     return backend
+
+
+def eager_untraced(x: torch.Tensor) -> bool:
+    """A call on ``x`` may skip the ``torch.ops.dsv4`` custom op and run its backend directly: eager
+    inference (no autograd: the custom ops have no backward, so a backward through them fails loudly where
+    backends called directly would give partial gradients), no tracing (``torch.compile``,
+    ``torch.jit.trace``, any ``torch_dispatch`` mode, tensor subclasses), no autocast. Host checks only."""
+    return not (type(x) is not torch.Tensor or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+                or torch.is_autocast_enabled(x.device.type))

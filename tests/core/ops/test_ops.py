@@ -106,3 +106,26 @@ def test_custom_op_extra_kind_defaults_and_is_checked():
         torch.ops.dsv4.sparse_attention(*args, **kwargs, extra_kind="bogus", backend="reference")
     with pytest.raises(DSV4ValueError, match="extra_kind: expected 'none' exactly when there is no extra list"):
         torch.ops.dsv4.sparse_attention(*args, **kwargs, extra_kind="none", backend="reference")
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_eager_inference_skips_the_custom_op_with_the_same_bits(op):
+    """Under no_grad (nothing traced) a dsv4.ops call runs its backend without the torch.ops.dsv4 custom op
+    (no dsv4:: event in the profiler) and returns and writes the same bits as through it (grad mode)."""
+    from torch.profiler import profile
+
+    prepared = prepare(_CASES[op])
+    extra = {"extra_kind": LayerKind(_CASES[op].kind).compressed_list} if op == "sparse_attention" else {}
+    results = {}
+    for grad in (True, False):
+        run = clone_prepared(prepared)
+        args, kwargs = run.steps[0]
+        with torch.set_grad_enabled(grad), profile() as prof:
+            out = getattr(ops, op)(*args, **kwargs, **extra, backend="reference")
+        assert any(e.name == f"dsv4::{op}" for e in prof.events()) == grad
+        outs = out if isinstance(out, tuple) else (out,)
+        results[grad] = [t for t in outs if t is not None] + [a for a in args if isinstance(a, torch.Tensor)]
+    def raw(t):  # bytes, so that NaN-poisoned bytes compare too
+        return t.detach().contiguous().view(torch.uint8)
+
+    assert all(torch.equal(raw(a), raw(b)) for a, b in zip(results[True], results[False], strict=True))
