@@ -66,7 +66,12 @@ def eager_untraced(x: torch.Tensor) -> bool:
     """A call on ``x`` may skip the ``torch.ops.dsv4`` custom op and run its backend directly: eager
     inference (no autograd: the custom ops have no backward, so a backward through them fails loudly where
     backends called directly would give partial gradients), no tracing (``torch.compile``,
-    ``torch.jit.trace``, any ``torch_dispatch`` mode, tensor subclasses), no autocast. Host checks only."""
-    return not (type(x) is not torch.Tensor or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
-                or torch.is_autocast_enabled(x.device.type))
+    ``torch.jit.trace``, any ``torch_dispatch`` mode, tensor subclasses, meta tensors, which the custom op's
+    fake kernel serves), no autocast. Host checks only."""
+    if (type(x) is not torch.Tensor or x.device.type == "meta" or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()):
+        return False
+    try:
+        return not torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # a device type autocast does not know: keep the custom op
+        return False

@@ -129,3 +129,13 @@ def test_eager_inference_skips_the_custom_op_with_the_same_bits(op):
         return t.detach().contiguous().view(torch.uint8)
 
     assert all(torch.equal(raw(a), raw(b)) for a, b in zip(results[True], results[False], strict=True))
+
+
+@torch.no_grad()
+def test_meta_tensors_in_eager_inference_get_the_fake_kernel():
+    """Shape inference on meta tensors under no_grad still goes through the custom op's fake kernel."""
+    prepared = prepare(_CASES["output_projection"])
+    args, kwargs = prepared.steps[0]
+    meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    out = ops.output_projection(*meta_args, **kwargs, backend="reference")
+    assert out.device.type == "meta" and out.shape == (args[0].shape[0], args[4].shape[0])
