@@ -47,10 +47,8 @@ def validate_backends(backends: object, op_names: tuple[str, ...]) -> dict[str, 
         if not isinstance(backend, str):
             raise DSV4TypeError.of(where, "a backend name (str) or a dsv4.Backend", type(backend).__name__)
         if backend not in ("", "auto") and backend not in registry.backend_names():
-            failed = [s.name for s in registry.plugin_statuses() if s.state == "failed"]
             raise DSV4ValueError.of(where, f"'auto' or a registered backend ({', '.join(registry.backend_names())})",
-                                    repr(backend),
-                                    hint=f"plugins that failed to load: {', '.join(failed)}" if failed else "")
+                                    repr(backend), hint=registry.failed_plugins_hint())
     return chosen
 
 

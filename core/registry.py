@@ -219,15 +219,18 @@ class Registry:
     def origin(self, name: str) -> str:
         return self._origin[name]
 
+    def failed_plugins_hint(self) -> str:
+        """``"plugins that failed to load: a, b"``, or "" when none failed (the hint of unknown-name errors)."""
+        failed = [s.name for s in self.plugin_statuses() if s.state == "failed"]
+        return f"plugins that failed to load: {', '.join(failed)}" if failed else ""
+
     def get(self, name: str) -> Backend:
         """The backend called ``name``; ``NoBackendError`` names every registered one otherwise."""
         try:
             return self._backends[name]
         except KeyError:
-            failed = [s.name for s in self._statuses.values() if s.state == "failed"]
-            hint = f"plugins that failed to load: {', '.join(failed)}" if failed else ""
             raise NoBackendError.of("backend", f"one of {', '.join(self.backend_names()) or '(none)'}",
-                                    name, hint=hint) from None
+                                    name, hint=self.failed_plugins_hint()) from None
 
     def probe(self, name: str) -> list[str]:
         """Cached ``probe()`` of one backend; a probe that raises becomes a reason."""

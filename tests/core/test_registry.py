@@ -90,6 +90,26 @@ def test_hook_that_raises_is_recorded_and_rolled_back():
         Registry().load_plugin(plugin, "half", strict=True)
 
 
+def test_unknown_names_point_at_plugins_that_failed_to_load(monkeypatch):
+    """Registry.get and the layer's backend names give the same hint: the plugins that failed to load."""
+    import dsv4.layer_checks
+    from dsv4 import Attention, ModelConfig
+    from dsv4.specs.errors import DSV4ValueError, NoBackendError
+
+    registry = Registry()
+    registry.register_backend(_backend("reference"))
+    plugin = types.ModuleType("broken_plugin")
+    plugin.dsv4_register_backends = hookimpl(lambda register: (_ for _ in ()).throw(ImportError("no vendor lib")))
+    assert registry.load_plugin(plugin, "vendorx", strict=False).state == "failed"
+    assert registry.failed_plugins_hint() == "plugins that failed to load: vendorx"
+    with pytest.raises(NoBackendError, match="got vendorx; plugins that failed to load: vendorx"):
+        registry.get("vendorx")
+    monkeypatch.setattr(dsv4.layer_checks, "get_registry", lambda: registry)
+    with pytest.raises(DSV4ValueError, match=r"backends\['sparse_attention'\].*plugins that failed to load: vendorx"):
+        Attention(ModelConfig.preset("tiny"), 0, backends={"sparse_attention": "vendorx"})
+    assert Registry().failed_plugins_hint() == ""
+
+
 def test_duplicate_name_fails_the_second_plugin():
     registry = Registry()
     registry.register_backend(_backend("reference"))
