@@ -2,11 +2,17 @@
 with both paths timed, the direct path's time in each backend call, and the ops path's per-call split."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import host_overhead as tool
+
+
+def _timed(value) -> bool:
+    """A measurement was taken (tests never judge how long it was)."""
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def test_measure_times_both_paths_and_every_call(monkeypatch):
@@ -17,12 +23,12 @@ def test_measure_times_both_paths_and_every_call(monkeypatch):
                                   calls=1, profile_top=5)
     assert [r["layer"] for r in rows] == ["CSA 1", "HCA 2"]
     csa, hca = rows
-    assert all(r["host_us"] > 0 and r["ops_host_us"] > 0 and r["launches"] is None for r in rows)
+    assert all(_timed(r["host_us"]) and _timed(r["ops_host_us"]) and r["launches"] is None for r in rows)
     assert set(csa["direct_ops"]) == {"qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk_slots",
                                       "sparse_attention", "output_projection"}
     assert set(hca["direct_ops"]) == {"qnorm_rope_insert", "compress_insert", "sparse_attention", "output_projection"}
     assert [o["op"] for o in csa["ops"]].count("compress_insert") == 2  # latent cache and indexer keys
     *calls, conversion = csa["ops"]  # the torch conversion of the ops path is a row of its own
-    assert all(o["runs_on"] == "reference" and o["backend"] > 0 for o in calls)
-    assert conversion["op"] == "topk_local_to_global" and conversion["public"] > 0
+    assert all(o["runs_on"] == "reference" and _timed(o["backend"]) for o in calls)
+    assert conversion["op"] == "topk_local_to_global" and _timed(conversion["public"])
     assert len(profiles) == 2 and "cumulative" in profiles[0]
