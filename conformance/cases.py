@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -421,7 +421,8 @@ def prepare(case: Case, device: torch.device | str = "cpu", seed: int | None = N
 
 
 def prepare_to(prepared: Prepared, device: torch.device | str) -> Prepared:
-    """Move every input to ``device`` (tensors shared between steps stay shared)."""
+    """``prepared`` with every input on ``device`` (tensors shared between steps stay shared); a new
+    ``Prepared`` off the CPU, ``prepared`` itself (unchanged) on it."""
     device = torch.device(device)
     if device.type == "cpu":
         return prepared
@@ -432,8 +433,7 @@ def prepare_to(prepared: Prepared, device: torch.device | str) -> Prepared:
             return moved.setdefault(id(x), x.to(device))
         return x
 
-    prepared.steps = [(tuple(move(a) for a in args), kwargs) for args, kwargs in prepared.steps]
-    return prepared
+    return replace(prepared, steps=[(tuple(move(a) for a in args), kwargs) for args, kwargs in prepared.steps])
 
 
 def clone_prepared(prepared: Prepared) -> Prepared:

@@ -268,8 +268,8 @@ class Attention(nn.Module):
                                     f"NaN/Inf in token rows {bad[:8].tolist()} (requests {owners[:8]})",
                                     hint="nothing was written; run the step again with finite rows (zeros for "
                                          "a request you will free), or free its requests")
-        chosen = resolve_backends(self, x, step, attends)
-        return DirectOps(chosen) if direct_calls(x) else ops
+        direct = resolve_backends(self, x, step, attends)
+        return direct if direct_calls(x) else ops
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
         """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from dsv4.backend import Backend
 from dsv4.cache import PagedKVCache, Step
-from dsv4.ops.dispatch import eager_untraced, record, resolve
+from dsv4.ops.dispatch import eager_untraced, record, recording, resolve
 from dsv4.ops.library import request_fields
 from dsv4.ops.validate import device_value_checks
 from dsv4.registry import get_registry
@@ -47,9 +47,10 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool) -> dict[str, Backend]:
-    """``{role: backend}`` of every op call this forward makes (roles: the op names, and ``indexer_keys``
-    for the indexer's ``compress_insert``), selected before anything is written: a backend that cannot run
+def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool) -> DirectOps:
+    """The selected backend of every op call this forward makes, as :class:`DirectOps` (``chosen``:
+    ``{role: backend}``, roles the op names and ``indexer_keys`` for the indexer's ``compress_insert``),
+    selected before anything is written: a backend that cannot run
     (or a bad ``DSV4_BACKEND``) raises here.
 
     attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
@@ -67,18 +68,18 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
            id(attn.cfg), registry.generation, os.environ.get("DSV4_BACKEND", ""),
            tuple((op, b if isinstance(b, str) else id(b)) for op, b in attn.backends.items()))
     memo = attn._selection_memo
-    chosen = memo.get(key)
-    if chosen is None:
+    direct = memo.get(key)
+    if direct is None:
         be = attn.backends
-        chosen = {role: resolve(op, x.device, be[op], **fields)
-                  for role, op, fields in _request_fields_of_forward(attn, x, cache, attends, hca_width)}
+        direct = DirectOps({role: resolve(op, x.device, be[op], **fields)
+                            for role, op, fields in _request_fields_of_forward(attn, x, cache, attends, hca_width)})
         if len(memo) >= _MEMO_ENTRIES:  # stale generations, many HCA widths: start over
             memo.clear()
-        memo[key] = chosen  # holds the instances keyed by id: their ids cannot be reused meanwhile
-    else:
-        for role, impl in chosen.items():
+        memo[key] = direct  # holds the instances keyed by id: their ids cannot be reused meanwhile
+    elif recording():
+        for role, impl in direct.chosen.items():
             record(_OP_OF_ROLE.get(role, role), impl)
-    return chosen
+    return direct
 
 
 def _request_fields_of_forward(attn: Attention, x: torch.Tensor, cache: PagedKVCache, attends: bool,
@@ -125,27 +126,27 @@ class DirectOps:
     ``backend`` (already applied by the selection) and ``extra_kind`` (a selection hint) are ignored."""
 
     def __init__(self, chosen: dict[str, Backend]):
-        self._chosen = chosen
+        self.chosen = chosen
 
     def qnorm_rope_insert(self, *args: Any, backend: Any = None, **kwargs: Any) -> torch.Tensor:
-        return self._chosen["qnorm_rope_insert"].qnorm_rope_insert(*args, **kwargs)
+        return self.chosen["qnorm_rope_insert"].qnorm_rope_insert(*args, **kwargs)
 
     def compress_insert(self, *args: Any, backend: Any = None, **kwargs: Any) -> None:
         role = INDEXER_KEYS if kwargs["out_format"].startswith("indexer_") else "compress_insert"
-        self._chosen[role].compress_insert(*args, **kwargs)
+        self.chosen[role].compress_insert(*args, **kwargs)
 
     def indexer_q(self, *args: Any, backend: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._chosen["indexer_q"].indexer_q(*args, **kwargs)
+        return self.chosen["indexer_q"].indexer_q(*args, **kwargs)
 
     def indexer_topk(self, *args: Any, backend: Any = None, **kwargs: Any) -> torch.Tensor:
-        return self._chosen["indexer_topk"].indexer_topk(*args, **kwargs)
+        return self.chosen["indexer_topk"].indexer_topk(*args, **kwargs)
 
     def indexer_topk_slots(self, *args: Any, backend: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._chosen["indexer_topk"].indexer_topk_slots(*args, **kwargs)
+        return self.chosen["indexer_topk"].indexer_topk_slots(*args, **kwargs)
 
     def sparse_attention(self, *args: Any, backend: Any = None, extra_kind: str = "unknown",
                          **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._chosen["sparse_attention"].sparse_attention(*args, **kwargs)
+        return self.chosen["sparse_attention"].sparse_attention(*args, **kwargs)
 
     def output_projection(self, *args: Any, backend: Any = None, **kwargs: Any) -> torch.Tensor:
-        return self._chosen["output_projection"].output_projection(*args, **kwargs)
+        return self.chosen["output_projection"].output_projection(*args, **kwargs)

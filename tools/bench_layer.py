@@ -37,15 +37,22 @@ def _fill(cache: PagedKVCache) -> None:
                 codec.write_rows(storage, chunk, rows, check=False)
 
 
-def decode_step(cfg: ModelConfig, layer_ids: list[int], batch: int, context: int, device: str):
-    """The planned decode step (one more token for each of ``batch`` requests of ``context`` tokens) on a
-    new cache whose every page is filled (``_fill``; ``step.cache``). Seeded: the same bytes every call."""
+def _filled_cache(cfg: ModelConfig, layer_ids: list[int], lens: dict, context: int, device: str) -> PagedKVCache:
+    """A cache holding the requests ``lens`` ({id: tokens}, none over ``context``), every page filled
+    (``_fill``). Seeded: the same bytes every call."""
     pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
              "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
-    cache = PagedKVCache(cfg, layer_ids, num_blocks={k: batch * v for k, v in pages.items()}, device=device)
-    cache.plan_step([StepRequest(i, context) for i in range(batch)])
+    cache = PagedKVCache(cfg, layer_ids, num_blocks={k: len(lens) * v for k, v in pages.items()}, device=device)
+    cache.plan_step([StepRequest(i, n) for i, n in lens.items()])
     torch.manual_seed(0)
     _fill(cache)
+    return cache
+
+
+def decode_step(cfg: ModelConfig, layer_ids: list[int], batch: int, context: int, device: str):
+    """The planned decode step (one more token for each of ``batch`` requests of ``context`` tokens) on a
+    new filled cache (``step.cache``)."""
+    cache = _filled_cache(cfg, layer_ids, dict.fromkeys(range(batch), context), context, device)
     return cache.plan_step([StepRequest(i, 1) for i in range(batch)])
 
 
@@ -95,10 +102,7 @@ def bench(batch: int, context: int, backends: str, preset: str = "v4-flash", dev
     for layer_id in layer_ids:
         baseline = None
         for streams in (False, True):
-            attn = Attention(cfg, layer_id, backends=backends, side_streams=streams)
-            attn.reset_parameters(torch.Generator().manual_seed(1))
-            attn = attn.to(device)
-            attn.reserve_positions(context + 2)
+            (attn,) = make_layers(cfg, layer_id, backends, 1, context, device, side_streams=streams)
             with torch.no_grad(), record_selections() as used:
                 out = attn(x, step)
                 if baseline is None:
@@ -121,11 +125,12 @@ def bench(batch: int, context: int, backends: str, preset: str = "v4-flash", dev
 
 
 def make_layers(cfg: ModelConfig, layer_id: int, backends: str, count: int, context: int,
-                device: str = "cuda") -> list[Attention]:
-    """``count`` layers of ``layer_id`` (their own seeded parameters) on ``device``, RoPE rows for ``context``."""
+                device: str = "cuda", **attn_kwargs) -> list[Attention]:
+    """``count`` layers of ``layer_id`` (their own seeded parameters) on ``device``, RoPE rows for ``context``;
+    ``attn_kwargs`` go to ``Attention``."""
     attns = []
     for i in range(count):
-        attn = Attention(cfg, layer_id, backends=backends)
+        attn = Attention(cfg, layer_id, backends=backends, **attn_kwargs)
         attn.reset_parameters(torch.Generator().manual_seed(1 + i))
         attn = attn.to(device)
         attn.reserve_positions(context + 2)
@@ -155,15 +160,10 @@ def _copy_metadata_(dst, src) -> None:
 def two_decode_steps(cfg: ModelConfig, layer_id: int, batch: int, context: int, device: str):
     """Two decode steps of ``batch`` requests each on one filled cache, with the same metadata shapes (the
     same context lengths) in another order, so other lens values row by row."""
-    pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-             "state4": context // 4 + 2, "state128": context // 8 + 2}
-    cache = PagedKVCache(cfg, [layer_id], num_blocks={k: 2 * batch * v for k, v in pages.items()}, device=device)
     lens_a = [context - (7 * context * i) // (8 * batch) for i in range(batch)]  # from context down to ~context/8
     lens_b = [lens_a[(5 * i) % batch] for i in range(batch)]  # the same lengths, other rows
-    cache.plan_step([StepRequest(("a", i), n) for i, n in enumerate(lens_a)]
-                    + [StepRequest(("b", i), n) for i, n in enumerate(lens_b)])
-    torch.manual_seed(0)
-    _fill(cache)
+    cache = _filled_cache(cfg, [layer_id], {**{("a", i): n for i, n in enumerate(lens_a)},
+                                            **{("b", i): n for i, n in enumerate(lens_b)}}, context, device)
     return (cache.plan_step([StepRequest(("a", i), 1) for i in range(batch)]),
             cache.plan_step([StepRequest(("b", i), 1) for i in range(batch)]))
 

@@ -29,7 +29,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import _graph, decode_step
+from bench_layer import _graph, decode_step, make_layers
 
 _LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                  "hipLaunchKernel", "hipModuleLaunchKernel")
@@ -248,7 +248,7 @@ def _cprofile(fn, calls: int, top: int) -> str:
 
 def measure(batch: int, context: int, backends: str, preset: str, device: str, calls: int,
             profile_top: int) -> tuple[list[dict], list[str]]:
-    from dsv4 import Attention, ModelConfig
+    from dsv4 import ModelConfig
     from dsv4.specs.layer_kinds import LayerKind
 
     cfg = ModelConfig.preset(preset)
@@ -257,10 +257,7 @@ def measure(batch: int, context: int, backends: str, preset: str, device: str, c
     x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
     rows, profiles = [], []
     for layer_id in layer_ids:
-        attn = Attention(cfg, layer_id, backends=backends)
-        attn.reset_parameters(torch.Generator().manual_seed(1))
-        attn = attn.to(device)
-        attn.reserve_positions(context + 2)
+        (attn,) = make_layers(cfg, layer_id, backends, 1, context, device)
         name = f"{attn.kind.name} {layer_id}"
         with torch.no_grad():
             def run(attn=attn):

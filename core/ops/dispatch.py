@@ -13,7 +13,7 @@ import torch
 from dsv4.backend import Backend, OpRequest, device_arch
 from dsv4.registry import get_registry
 
-__all__ = ["arch_of", "backend_name", "eager_untraced", "record", "record_selections", "resolve"]
+__all__ = ["arch_of", "backend_name", "eager_untraced", "record", "record_selections", "recording", "resolve"]
 
 _recorded: dict[str, set[str]] | None = None
 
@@ -45,6 +45,11 @@ def resolve(op: str, device: torch.device, backend: str | Backend | None, **fiel
     impl = get_registry().select(request, backend)
     record(op, impl)
     return impl
+
+
+def recording() -> bool:
+    """A ``record_selections`` block is open (callers that memoize ``resolve`` record only then)."""
+    return _recorded is not None
 
 
 def record(op: str, impl: Backend) -> None:

@@ -77,6 +77,11 @@ def _env_enabled() -> bool:
     return os.environ.get(VALIDATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _switched_on() -> bool:
+    """Value checks on accelerators: ``set_value_checks``, else ``DSV4_VALIDATE``."""
+    return _env_enabled() if _switch is None else _switch
+
+
 def set_value_checks(enabled: bool | None) -> None:
     """Switch the value-range checks on accelerators on (True) or off (False); None: back to
     ``DSV4_VALIDATE``. CPU tensors are always checked (no sync to save)."""
@@ -90,7 +95,7 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     Never while tracing (``torch.compile``, ``make_fx``, fake or meta tensors): no values to read.
     Otherwise :func:`device_value_checks` of ``t``'s device.
     """
-    if t.device.type != "cpu" and not (_env_enabled() if _switch is None else _switch):
+    if t.device.type != "cpu" and not _switched_on():
         return False  # the accelerator default, first: the tests below cost microseconds an op call
     if torch.compiler.is_compiling() or t.device.type == "meta" or _is_fake(t) or _proxy_tracing():
         return False
@@ -103,7 +108,7 @@ def device_value_checks(device: torch.device) -> bool:
     valid by construction), and never during CUDA-graph capture, where a value read is impossible."""
     if device.type == "cpu":
         return True
-    if not (_env_enabled() if _switch is None else _switch):
+    if not _switched_on():
         return False
     return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

@@ -194,5 +194,5 @@ def test_a_backend_instance_needs_no_hash_and_copies_keep_the_registry_backends(
     assert twin._selection_memo == {}  # rebuilt on the copy's first forward, with the registry's own backends
     with torch.no_grad():
         twin(_x(3, 0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
-    (chosen,) = twin._selection_memo.values()
-    assert all(impl is get_registry().get("reference") for impl in chosen.values())
+    (direct,) = twin._selection_memo.values()
+    assert all(impl is get_registry().get("reference") for impl in direct.chosen.values())
