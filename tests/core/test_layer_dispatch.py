@@ -1,7 +1,5 @@
 """dsv4.layer_dispatch: the layer's selections are made once a configuration, and in eager mode without
 value checks it calls the selected backends directly, with the same bits as through dsv4.ops."""
-import os
-
 import pytest
 import torch
 from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest, layer_dispatch, ops
@@ -158,7 +156,6 @@ def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_chang
             forward()
     finally:
         registry.unregister_backend("counting_reference")
-        os.environ.pop("DSV4_BACKEND", None)
 
 
 def test_grad_mode_goes_through_the_ops(monkeypatch):

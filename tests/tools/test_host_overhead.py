@@ -19,7 +19,7 @@ def test_measure_times_both_paths_and_every_call(monkeypatch):
     import dsv4.layer_dispatch
 
     monkeypatch.setattr(dsv4.layer_dispatch, "device_value_checks", lambda device: False)
-    rows, profiles = tool.measure(batch=2, context=256, backends="reference", preset="tiny", device="cpu",
+    rows, profiles = tool.measure(batch=2, context=136, backends="reference", preset="tiny", device="cpu",
                                   calls=1, profile_top=5)
     assert [r["layer"] for r in rows] == ["CSA 1", "HCA 2"]
     csa, hca = rows
