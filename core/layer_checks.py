@@ -82,18 +82,38 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
 def _fp32_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor]]:
     """The layer's tensors that SPEC keeps in fp32 whatever the activations: sink, norm weights,
     compressor weights and APE, the RoPE table (SPEC §3-§5, §7). Which parameters those are is found
-    once (a name walk costs ~20 µs a forward); each is read from its module every call, so a cast or a
-    replaced parameter shows."""
-    if attn._fp32_parameter_slots is None:
-        slots = []
-        for name, _ in attn.named_parameters():
-            if name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name:
-                owner, _, attr = name.rpartition(".")
-                slots.append((name, attn.get_submodule(owner) if owner else attn, attr))
-        attn._fp32_parameter_slots = slots
-    for name, module, attr in attn._fp32_parameter_slots:
-        yield name, module._parameters[attr]
+    once (a name walk costs ~20 µs a forward) and kept as module paths; each is looked up through
+    ``_modules`` every call, so a cast, a replaced parameter or a replaced submodule shows. A path that no
+    longer resolves (a submodule swapped for one of another shape) triggers one fresh walk."""
+    for fresh in (False, True):
+        if fresh or attn._fp32_parameter_slots is None:
+            slots = []
+            for name, _ in attn.named_parameters():
+                if name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name:
+                    owner, _, attr = name.rpartition(".")
+                    slots.append((name, tuple(owner.split(".")) if owner else (), attr))
+            attn._fp32_parameter_slots = slots
+        found = _resolve_slots(attn, attn._fp32_parameter_slots)
+        if found is not None:
+            break
+    yield from found
     yield "cos_sin (RoPE table buffer)", attn.cos_sin
+
+
+def _resolve_slots(attn: Attention, slots: list) -> list[tuple[str, torch.Tensor]] | None:
+    """``slots`` looked up from ``attn`` through ``_modules`` / ``_parameters``; None where a path is gone."""
+    out = []
+    for name, path, attr in slots:
+        module = attn
+        for part in path:
+            module = module._modules.get(part)
+            if module is None:
+                return None
+        t = module._parameters.get(attr)
+        if t is None:
+            return None
+        out.append((name, t))
+    return out
 
 
 def check_parameter_dtypes(attn: Attention, x: torch.Tensor) -> None:

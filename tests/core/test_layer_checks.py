@@ -119,6 +119,26 @@ def test_layer_cast_to_bf16_names_the_fp32_parameter(layer_id):
     assert _same(before, _snapshot(cache))
 
 
+@pytest.mark.parametrize("path, name", [("indexer.compressor.norm", "indexer.compressor.norm.weight"),
+                                        ("compressor", "compressor.ape"), ("q_norm", "q_norm.weight")])
+@torch.no_grad()
+def test_a_submodule_replaced_after_a_forward_by_a_bf16_one_is_refused(path, name):
+    """The fp32-parameter check finds its parameters once; a submodule swapped in after that first forward
+    (here a bf16 copy) must still be seen, not the old module it found then."""
+    import copy
+    attn = _layer(1)
+    cache = PagedKVCache(CFG, [1], num_blocks=64)
+    attn(_x(20), cache.plan_step([StepRequest("r", 20)]))
+    owner, _, attr = path.rpartition(".")
+    parent = attn.get_submodule(owner) if owner else attn
+    setattr(parent, attr, copy.deepcopy(getattr(parent, attr)).bfloat16())
+    step = cache.plan_step([StepRequest("r", 1)])
+    before = _snapshot(cache)
+    with pytest.raises(DSV4TypeError, match=rf"layer parameter {name.replace('.', '[.]')}: expected dtype torch.float32"):
+        attn(_x(1), step)
+    assert _same(before, _snapshot(cache))
+
+
 @pytest.mark.parametrize("layer_id, cache_cfg, message", [
     (1, {"compress_ratios": (0, 128, 4, 0)}, "step.cache layer 1: expected a CSA layer .*got HCA"),
     (2, {"compress_ratios": (0, 128, 4, 0)}, "step.cache layer 2: expected a HCA layer .*got CSA"),
