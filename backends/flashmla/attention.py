@@ -63,8 +63,8 @@ class SchedulerMetadataCache:
     one filled outside a capture would be baked into the graph and go stale when the engine copies new
     lengths into the same buffers. So entries are reused only within the same mode: inside a capture only
     those made during capture (every layer of a captured step shares the schedule that its first layer
-    computes in the graph), outside only those made outside, and any call outside a capture drops the
-    captured ones. Call :meth:`reset` before capturing a graph whose length tensors an earlier capture used
+    computes in the graph), outside only those made outside; a call in one mode drops the other mode's
+    entries (a replay can change length values without a version bump). Call :meth:`reset` before capturing a graph whose length tensors an earlier capture used
     without an eager call in between (an engine warms up before each capture, which does it).
 
     Inference tensors (``torch.inference_mode``) carry no version counter, so an in-place refill of a
@@ -72,7 +72,10 @@ class SchedulerMetadataCache:
     before this cache shared any); inside a capture they share as above.
     """
 
-    entries: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...], Any, bool]] = \
+    # layer kind -> (shape key, length tensors, their versions, schedule); one dict per mode
+    eager: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...] | None, Any]] = \
+        field(default_factory=dict)
+    captured: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...], tuple[int, ...] | None, Any]] = \
         field(default_factory=dict)
     created: int = 0
 
@@ -80,8 +83,9 @@ class SchedulerMetadataCache:
             lengths: tuple[torch.Tensor, ...]) -> Any:
         """The scheduler metadata for ``layer_kind``, new when shapes or length tensors changed."""
         capturing = _capturing(lengths[0]) if lengths else False
-        if not capturing:
-            self.entries = {k: e for k, e in self.entries.items() if not e[4]}
+        entries, other = (self.captured, self.eager) if capturing else (self.eager, self.captured)
+        if other:  # a mode switch drops the other mode's schedules (a replay may change lengths unversioned)
+            other.clear()
         if any(t.is_inference() for t in lengths):  # no version counter: an in-place refill would not show
             versions = None
             if not capturing:  # eager: a schedule a call (a capture replays consistent values, so it shares)
@@ -90,20 +94,21 @@ class SchedulerMetadataCache:
                 return meta
         else:
             versions = tuple(t._version for t in lengths)
-        entry = self.entries.get(layer_kind)
+        entry = entries.get(layer_kind)
         if entry is not None:
-            key, tensors, old_versions, meta, captured = entry
-            if key == shape_key and old_versions == versions and captured == capturing and \
+            key, tensors, old_versions, meta = entry
+            if key == shape_key and old_versions == versions and \
                     len(tensors) == len(lengths) and all(a is b for a, b in zip(tensors, lengths)):
                 return meta
         meta, _ = flash_mla.get_mla_metadata()
-        self.entries[layer_kind] = (shape_key, lengths, versions, meta, capturing)
+        entries[layer_kind] = (shape_key, lengths, versions, meta)
         self.created += 1
         return meta
 
     def reset(self) -> None:
         """Forget every schedule (call once per step, or let tensor identity do it)."""
-        self.entries.clear()
+        self.eager.clear()
+        self.captured.clear()
 
 
 def _capturing(t: torch.Tensor) -> bool:
