@@ -24,7 +24,7 @@ from importlib import metadata
 from typing import Any, ClassVar
 
 import torch
-from dsv4.metadata import topk_local_to_global
+from dsv4.metadata import check_compressed_pages, topk_local_to_global
 from dsv4.specs.errors import BackendUnavailableError
 
 __all__ = [
@@ -352,9 +352,10 @@ class Backend:
         What the layer calls on its direct path (``dsv4.layer_dispatch``). Here the op then
         :func:`dsv4.metadata.topk_local_to_global` (~20 small torch ops); a backend may fuse the
         conversion (Triton: one launch). Results must equal this composition bit for bit."""
+        block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
         local = self.indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
                                   key_format=key_format, ratio=ratio)
-        return topk_local_to_global(local, token_request, compressed_block_table, compressed_block_size)
+        return topk_local_to_global(local, token_request, compressed_block_table, block_size)
 
     def sparse_attention(self, q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
                          swa_lens: torch.Tensor, extra_cache: torch.Tensor | None,

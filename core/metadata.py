@@ -10,11 +10,12 @@ Slot convention (SPEC §10): logical index ``i`` of a request in a group with pa
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 from dsv4.specs.formats import round_up
 
 __all__ = [
@@ -151,6 +152,23 @@ def slots_from_block_table(
     slots = phys * block_size + safe % block_size
     slots = torch.where(valid & in_range & (phys >= 0), slots, torch.full_like(slots, -1))
     return slots.squeeze(-1) if squeeze else slots
+
+
+def check_compressed_pages(block_table: object, block_size: object) -> int:
+    """The one structural rule for ``indexer_topk_slots``' page arguments, at every entry (``dsv4.ops``, the
+    base ``Backend`` composition, fused backends): ``compressed_block_table`` a 2-D int32 tensor and
+    ``compressed_block_size`` a positive integer (an ``int`` or anything with ``__index__``; a float, even
+    64.0, is refused rather than truncated). Reads no values. Returns the size as ``int``."""
+    if not isinstance(block_table, torch.Tensor):
+        raise DSV4TypeError.of("compressed_block_table", "a torch.Tensor", type(block_table).__name__)
+    if block_table.dtype != torch.int32:
+        raise DSV4TypeError.of("compressed_block_table", "dtype torch.int32", block_table.dtype)
+    if block_table.dim() != 2:
+        raise DSV4ValueError.of("compressed_block_table", "a 2-D [R, max_blocks] tensor", tuple(block_table.shape))
+    if isinstance(block_size, bool) or not hasattr(block_size, "__index__") or operator.index(block_size) <= 0:
+        raise DSV4ValueError.of("compressed_block_size", "a positive int (the compressed pages' entries)",
+                                repr(block_size))
+    return operator.index(block_size)
 
 
 def topk_local_to_global(

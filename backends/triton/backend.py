@@ -222,14 +222,12 @@ class TritonBackend(Backend):
         """``indexer_topk`` then its global slots in one launch (``topk.local_to_global``), instead of the
         ~20 torch ops of ``dsv4.metadata.topk_local_to_global``: (slots [T, topk] int32, lens [T] int32)."""
         from dsv4.backends.triton.topk import local_to_global
+        from dsv4.metadata import check_compressed_pages
 
-        _check_dtype("compressed_block_table", compressed_block_table, torch.int32)
-        _check_shape("compressed_block_table", compressed_block_table, (None, None))
-        if not isinstance(compressed_block_size, int) or compressed_block_size <= 0:
-            raise DSV4ValueError.of("compressed_block_size", "a positive int", compressed_block_size)
+        block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
         local = self.indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
                                   key_format=key_format, ratio=ratio)
-        return local_to_global(local, token_request, compressed_block_table, compressed_block_size)
+        return local_to_global(local, token_request, compressed_block_table, block_size)
 
     def sparse_attention(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
                          extra_lens, sink, *, kv_format: str, softmax_scale: float, profile: str,

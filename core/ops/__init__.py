@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 from dsv4.backend import OP_NAMES, Backend
-from dsv4.metadata import topk_local_to_global
+from dsv4.metadata import check_compressed_pages, topk_local_to_global
 from dsv4.ops import library
 from dsv4.ops.dispatch import backend_name, eager_untraced
 from dsv4.ops.validate import (
@@ -204,13 +204,10 @@ def indexer_topk_slots(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor
     :func:`dsv4.metadata.topk_local_to_global`: (slots [T, topk] int32, lens [T] int32).
     compressed_block_table [R, mb] int32 with pages of ``compressed_block_size`` entries. The layer's
     direct path runs ``Backend.indexer_topk_slots`` instead, which a backend may fuse; equal results."""
-    check_rank("compressed_block_table", compressed_block_table, 2)
-    check_dtype("compressed_block_table", compressed_block_table, I32)
-    if int(compressed_block_size) <= 0:
-        raise DSV4ValueError.of("compressed_block_size", "a positive page size", compressed_block_size)
+    block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
     local = indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
                          key_format=key_format, ratio=ratio, backend=backend)
-    return topk_local_to_global(local, token_request, compressed_block_table, int(compressed_block_size))
+    return topk_local_to_global(local, token_request, compressed_block_table, block_size)
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor, swa_lens: torch.Tensor,

@@ -1,6 +1,7 @@
 """dsv4.ops: custom ops (schema, fake kernels, mutation) checked by opcheck; validation; dispatch."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from dsv4 import ops
@@ -139,3 +140,28 @@ def test_meta_tensors_in_eager_inference_get_the_fake_kernel():
     meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     out = ops.output_projection(*meta_args, **kwargs, backend="reference")
     assert out.device.type == "meta" and out.shape == (args[0].shape[0], args[4].shape[0])
+
+
+@pytest.mark.parametrize("table_change, size, message", [
+    (lambda t: t.to(torch.int64), 4, "compressed_block_table: expected dtype torch.int32, got torch.int64"),
+    (lambda t: t[0], 4, "compressed_block_table: expected a 2-D"),
+    (lambda t: t, 4.0, "compressed_block_size: expected a positive int .*got 4.0"),
+    (lambda t: t, 0, "compressed_block_size: expected a positive int .*got 0"),
+    (lambda t: t, True, "compressed_block_size: expected a positive int .*got True"),
+])
+def test_indexer_topk_slots_page_arguments_follow_one_rule_at_every_entry(table_change, size, message):
+    """dsv4.ops, the base Backend composition (reference) and the fused Triton method refuse the same
+    page arguments with the same message (dsv4.metadata.check_compressed_pages), before any top-k runs."""
+    from dsv4.backends.reference import ReferenceBackend
+    from dsv4.backends.triton.backend import TritonBackend
+
+    prepared = prepare(Case("indexer_topk", "csa", "deepseek", "indexer_fp8", "mixed"))
+    args, kwargs = prepared.steps[0]
+    table = table_change(torch.zeros((4, 3), dtype=torch.int32))
+    entries = (ops.indexer_topk_slots, ReferenceBackend().indexer_topk_slots, TritonBackend().indexer_topk_slots)
+    for call in entries:
+        with pytest.raises((DSV4TypeError, DSV4ValueError), match=message):
+            call(*args, table, compressed_block_size=size, **kwargs)
+    slots, lens = ReferenceBackend().indexer_topk_slots(*args, torch.zeros((4, 3), dtype=torch.int32),
+                                                        compressed_block_size=np.int64(4), **kwargs)
+    assert slots.dtype == lens.dtype == torch.int32  # an integer with __index__ is taken
