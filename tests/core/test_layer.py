@@ -1,18 +1,12 @@
 """The layer (SPEC §3): official names, chunking invariance, mixed batches, ideal vs serving, SPEC §12 errors."""
 import pytest
 import torch
-from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+from _layer_helpers import CFG, tiny_layer, tiny_x
+from dsv4 import Attention, PagedKVCache, StepRequest
 from dsv4.conformance.layer_golden import judge_rows, row_cosine
 from dsv4.specs.errors import CacheLayoutError, DSV4Error, DSV4TypeError, DSV4ValueError
 
-CFG = ModelConfig.preset("tiny")  # 0 SWA, 1 CSA, 2 HCA
 KINDS = {0: "SWA", 1: "CSA", 2: "HCA"}
-
-
-def _layer(layer_id: int, dtype=torch.bfloat16, seed: int = 0) -> Attention:
-    attn = Attention(CFG, layer_id, backends="reference")
-    attn.reset_parameters(torch.Generator().manual_seed(seed))
-    return attn.double() if dtype == torch.float64 else attn
 
 
 def _run(attn: Attention, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -22,10 +16,6 @@ def _run(attn: Attention, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
         outs.append(attn(x[start:start + n], cache.plan_step([StepRequest("r", n)])))
         start += n
     return torch.cat(outs)
-
-
-def _x(n: int, dtype, seed: int = 1) -> torch.Tensor:
-    return torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def test_state_dict_uses_official_checkpoint_names():
@@ -44,7 +34,7 @@ def test_prefill_decodes_and_chunks_agree(layer_id):
     # 261 tokens: two HCA entries close inside the run (p=127, 255), many CSA entries, SWA wraps twice.
     chunks = {"prefill": [261], "decodes": [250] + [1] * 11, "chunks": [5, 122, 1, 64, 69]}
     for dtype in (torch.float64, torch.bfloat16):
-        attn, x = _layer(layer_id, dtype), _x(261, dtype)
+        attn, x = tiny_layer(layer_id, dtype=dtype), tiny_x(261, dtype=dtype)
         with torch.no_grad():
             outs = {name: _run(attn, x, c) for name, c in chunks.items()}
         for name in ("decodes", "chunks"):
@@ -69,15 +59,15 @@ def test_layer_passes_the_windows_in_step_promise(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops, "compress_insert", spy)
-    attn = _layer(1)  # CSA: the main compressor and the indexer's, both r = 4
+    attn = tiny_layer(1)  # CSA: the main compressor and the indexer's, both r = 4
     with torch.no_grad():
-        _run(attn, _x(129, torch.bfloat16), [5, 122, 1, 1])  # positions 0-4, 5-126, 127 (closes), 128
+        _run(attn, tiny_x(129), [5, 122, 1, 1])  # positions 0-4, 5-126, 127 (closes), 128
     assert seen == [(4, True)] * 2 + [(4, False)] * 4 + [(4, True)] * 2
 
 
 def test_mixed_batch_equals_requests_run_alone():
-    attn = _layer(2)
-    xa, xb = _x(200, torch.bfloat16, 3), _x(140, torch.bfloat16, 4)
+    attn = tiny_layer(2)
+    xa, xb = tiny_x(200, seed=3), tiny_x(140, seed=4)
     with torch.no_grad():
         alone_a = _run(attn, xa, [190, 10])
         alone_b = _run(attn, xb, [130, 10])
@@ -96,8 +86,8 @@ def test_mixed_batch_equals_requests_run_alone():
 @pytest.mark.parametrize("layer_id", [0, 2])
 def test_serving_numerics_track_the_float64_ideal(layer_id):
     # SPEC §13 layer end-to-end: bf16 serving vs float64 ideal, every row cosine >= 0.999 (SWA, HCA).
-    serving, x = _layer(layer_id), _x(300, torch.bfloat16)
-    ideal = _layer(layer_id, torch.float64)
+    serving, x = tiny_layer(layer_id), tiny_x(300)
+    ideal = tiny_layer(layer_id, dtype=torch.float64)
     with torch.no_grad():
         a = _run(serving, x, [280] + [1] * 20)
         b = _run(ideal, x.double(), [280] + [1] * 20)
@@ -110,28 +100,28 @@ def _snapshot(cache: PagedKVCache) -> dict:
 
 
 def test_rejected_calls_raise_named_errors_and_leave_cache_bytes_alone():
-    attn = _layer(1)
+    attn = tiny_layer(1)
     cache = PagedKVCache(CFG, [1], num_blocks=64)
     with torch.no_grad():
-        attn(_x(40, torch.bfloat16), cache.plan_step([StepRequest("r", 40)]))
+        attn(tiny_x(40), cache.plan_step([StepRequest("r", 40)]))
     step = cache.plan_step([StepRequest("r", 3)])
     before = _snapshot(cache)
-    bad_nan = _x(3, torch.bfloat16)
+    bad_nan = tiny_x(3)
     bad_nan[1, 7] = float("nan")
     cases = [
-        (_x(3, torch.bfloat16)[:, :100], DSV4ValueError, "x: expected shape"),
-        (_x(4, torch.bfloat16), DSV4ValueError, "x: expected 3 rows"),
-        (_x(3, torch.float32), DSV4TypeError, "x: expected dtype torch.bfloat16"),
+        (tiny_x(3)[:, :100], DSV4ValueError, "x: expected shape"),
+        (tiny_x(4), DSV4ValueError, "x: expected 3 rows"),
+        (tiny_x(3, dtype=torch.float32), DSV4TypeError, "x: expected dtype torch.bfloat16"),
         (bad_nan, DSV4ValueError, r"NaN/Inf in token rows \[1\]"),
     ]
     for x, error, message in cases:
         with pytest.raises(error, match=message):
             attn(x, step)
     with pytest.raises(DSV4TypeError, match="step"):
-        attn(_x(3, torch.bfloat16), step.metadata)
+        attn(tiny_x(3), step.metadata)
     other = Attention(CFG, 1, profile="vllm", backends="reference")
     with pytest.raises(CacheLayoutError, match="profile: expected 'deepseek'"):
-        other(_x(3, torch.bfloat16), step)
+        other(tiny_x(3), step)
     after = _snapshot(cache)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert issubclass(CacheLayoutError, DSV4Error)
@@ -143,8 +133,8 @@ def test_backends_argument_is_validated():
 
 
 def test_compressor_fused_weight_follows_loaded_weights():
-    attn = _layer(2)
-    x = _x(3, torch.bfloat16)
+    attn = tiny_layer(2)
+    x = tiny_x(3)
     first = attn.compressor.kv_score(x)
     state = {k: v.clone() for k, v in attn.state_dict().items()}
     state["compressor.wgate.weight"] = state["compressor.wgate.weight"] * 2
@@ -169,14 +159,14 @@ def test_compressor_bf16_operand_path_only_for_bf16_valued_weights(monkeypatch):
 
     monkeypatch.setattr(batch_invariant, "MM_OUT_FP32_DEVICES", ("cpu",))
     monkeypatch.setattr(batch_invariant, "mm_fp32_out", emulated)
-    attn = _layer(2)
+    attn = tiny_layer(2)
     comp = attn.compressor
     state = {k: v.clone() for k, v in attn.state_dict().items()}
     for name in ("compressor.wkv.weight", "compressor.wgate.weight"):
         assert torch.equal(state[name].bfloat16().float(), state[name])  # reset_parameters: bf16 values
         state[name] = state[name] * (1 + 2**-12)  # fp32 values that bf16 cannot hold
     attn.load_state_dict(state)
-    x = _x(5, torch.bfloat16)
+    x = tiny_x(5)
     fp32_path = comp.kv_score(x)
     assert calls == []
     for name in ("compressor.wkv.weight", "compressor.wgate.weight"):  # as an official checkpoint stores them
@@ -229,7 +219,7 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
             for seed in (0, 1):  # two layers of the kind (the same id and cache layer, their own parameters)
                 attn = Attention(CFG, layer_id, backends={"sparse_attention": Spy()})
                 attn.reset_parameters(torch.Generator().manual_seed(seed))
-                attn(_x(4, torch.bfloat16), step)
+                attn(tiny_x(4), step)
         (swa_a, swa_lens_a, extra_a, picks), (swa_b, swa_lens_b, extra_b, _) = seen
         assert swa_a is swa_b is md.swa_indices and swa_lens_a is swa_lens_b is md.swa_lens
         assert extra_a is extra_b is lens, layer_id

@@ -3,22 +3,10 @@ and what a rejected forward leaves behind. Every rejection must leave every cach
 import numpy as np
 import pytest
 import torch
+from _layer_helpers import CFG, tiny_layer, tiny_x
 from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
 from dsv4.cache import StaleStepError
 from dsv4.specs.errors import CacheLayoutError, DSV4Error, DSV4TypeError, DSV4ValueError
-
-CFG = ModelConfig.preset("tiny")  # 0 SWA, 1 CSA, 2 HCA
-
-
-def _layer(layer_id: int, **kw) -> Attention:
-    kw.setdefault("backends", "reference")
-    attn = Attention(CFG, layer_id, **kw)
-    attn.reset_parameters(torch.Generator().manual_seed(0))
-    return attn
-
-
-def _x(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def _snapshot(cache: PagedKVCache) -> dict:
@@ -31,26 +19,26 @@ def _same(a: dict, b: dict) -> bool:
 
 @torch.no_grad()
 def test_stale_step_is_refused_before_it_overwrites_another_requests_pages():
-    attn = _layer(0)
+    attn = tiny_layer(0)
     cache = PagedKVCache(CFG, [0], num_blocks=8)
     old = cache.plan_step([StepRequest("victim", 10)])
     cache.free("victim")  # preempted after planning
     new = cache.plan_step([StepRequest("other", 10)])  # reuses the victim's page
     assert torch.equal(old.metadata.swa_slot_mapping, new.metadata.swa_slot_mapping)
-    attn(_x(10, 5), new)
+    attn(tiny_x(10, seed=5), new)
     before = _snapshot(cache)
     with pytest.raises(StaleStepError, match="stale step: request 'victim' was freed"):
-        attn(_x(10, 9), old)
+        attn(tiny_x(10, seed=9), old)
     assert _same(before, _snapshot(cache))
-    attn(_x(1, 6), cache.plan_step([StepRequest("other", 1)]))  # not marked: a stale step marks nothing
+    attn(tiny_x(1, seed=6), cache.plan_step([StepRequest("other", 1)]))  # not marked: a stale step marks nothing
 
 
 @torch.no_grad()
 def test_every_layer_may_run_the_latest_step_and_a_rerun_writes_the_same_bytes():
-    layers = [_layer(i) for i in (0, 1, 2)]
+    layers = [tiny_layer(i) for i in (0, 1, 2)]
     cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 50)])
-    x = _x(50)
+    x = tiny_x(50)
     first = [attn(x, step) for attn in layers]
     after_first = _snapshot(cache)
     second = [attn(x, step) for attn in layers]
@@ -60,22 +48,22 @@ def test_every_layer_may_run_the_latest_step_and_a_rerun_writes_the_same_bytes()
 
 @torch.no_grad()
 def test_rejected_forward_blocks_the_next_plan_until_retried_or_freed():
-    attn = _layer(0)
+    attn = tiny_layer(0)
     cache = PagedKVCache(CFG, [0], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 40), StepRequest("s", 3)])
-    bad = _x(43)
+    bad = tiny_x(43)
     bad[0, 0] = float("nan")
     with pytest.raises(DSV4ValueError, match="NaN/Inf"):
         attn(bad, step)
     with pytest.raises(DSV4ValueError, match=r"requests\['r'\]: .*layers \[0\] still to run step #1.*free\(\)"):
         cache.plan_step([StepRequest("r", 1)])
     cache.plan_step([StepRequest("t", 2)])  # other requests are not blocked
-    attn(_x(43), step)  # the same step with a corrected input: clears the mark
+    attn(tiny_x(43), step)  # the same step with a corrected input: clears the mark
     cache.plan_step([StepRequest("r", 1), StepRequest("s", 1)])
     # or free and prefill again
     step = cache.plan_step([StepRequest("u", 5)])
     with pytest.raises(DSV4ValueError, match="rows"):
-        attn(_x(5), step, rows=slice(0, 5, 2))
+        attn(tiny_x(5), step, rows=slice(0, 5, 2))
     cache.free("u")
     cache.plan_step([StepRequest("u", 5)])
 
@@ -97,25 +85,25 @@ def test_backend_names_are_checked_when_the_layer_is_built():
                                                 (1, {"indexer_topk": "flashmla"})])
 @torch.no_grad()
 def test_a_backend_that_cannot_run_the_step_is_refused_before_any_write(layer_id, backends):
-    attn = _layer(layer_id, backends=backends)
+    attn = tiny_layer(layer_id, backends=backends)
     cache = PagedKVCache(CFG, [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 40)])
     before = _snapshot(cache)
     with pytest.raises(DSV4Error, match="flashmla"):
-        attn(_x(40), step)
+        attn(tiny_x(40), step)
     assert _same(before, _snapshot(cache))
 
 
 @pytest.mark.parametrize("layer_id", [0, 1, 2])
 @torch.no_grad()
 def test_layer_cast_to_bf16_names_the_fp32_parameter(layer_id):
-    attn = _layer(layer_id).to(torch.bfloat16)
+    attn = tiny_layer(layer_id).to(torch.bfloat16)
     cache = PagedKVCache(CFG, [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 20)])
     before = _snapshot(cache)
     with pytest.raises(DSV4TypeError, match=r"layer parameter attn_sink.*expected dtype torch.float32.*"
                                             r"got torch.bfloat16; .*cast the input x"):
-        attn(_x(20), step)
+        attn(tiny_x(20), step)
     assert _same(before, _snapshot(cache))
 
 
@@ -126,16 +114,16 @@ def test_a_submodule_replaced_after_a_forward_by_a_bf16_one_is_refused(path, nam
     """The fp32-parameter check finds its parameters once; a submodule swapped in after that first forward
     (here a bf16 copy) must still be seen, not the old module it found then."""
     import copy
-    attn = _layer(1)
+    attn = tiny_layer(1)
     cache = PagedKVCache(CFG, [1], num_blocks=64)
-    attn(_x(20), cache.plan_step([StepRequest("r", 20)]))
+    attn(tiny_x(20), cache.plan_step([StepRequest("r", 20)]))
     owner, _, attr = path.rpartition(".")
     parent = attn.get_submodule(owner) if owner else attn
     setattr(parent, attr, copy.deepcopy(getattr(parent, attr)).bfloat16())
     step = cache.plan_step([StepRequest("r", 1)])
     before = _snapshot(cache)
     with pytest.raises(DSV4TypeError, match=rf"layer parameter {name.replace('.', '[.]')}: expected dtype torch.float32"):
-        attn(_x(1), step)
+        attn(tiny_x(1), step)
     assert _same(before, _snapshot(cache))
 
 
@@ -147,17 +135,17 @@ def test_a_submodule_replaced_after_a_forward_by_a_bf16_one_is_refused(path, nam
 ])
 @torch.no_grad()
 def test_cache_built_from_another_config_is_refused(layer_id, cache_cfg, message):
-    attn = _layer(layer_id)
+    attn = tiny_layer(layer_id)
     cache = PagedKVCache(ModelConfig(**{**CFG.model_dump(), **cache_cfg}), [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 200)])
     before = _snapshot(cache)
     with pytest.raises(CacheLayoutError, match=message):
-        attn(_x(200), step)
+        attn(tiny_x(200), step)
     assert _same(before, _snapshot(cache))
 
 
 def test_non_tensor_input_is_a_named_error():
-    attn = _layer(0)
+    attn = tiny_layer(0)
     cache = PagedKVCache(CFG, [0], num_blocks=16)
     with pytest.raises(DSV4TypeError, match="x: expected a torch.Tensor"):
         attn(np.zeros((4, CFG.hidden_size)), cache.plan_step([StepRequest("r", 4)]))

@@ -2,24 +2,14 @@
 value checks it calls the selected backends directly, with the same bits as through dsv4.ops."""
 import pytest
 import torch
-from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest, layer_dispatch, ops
+from _layer_helpers import CFG, tiny_layer, tiny_x
+from dsv4 import Attention, PagedKVCache, StepRequest, layer_dispatch, ops
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.ops.dispatch import record_selections
 from dsv4.registry import get_registry
 from dsv4.specs.errors import DSV4Error
 
-CFG = ModelConfig.preset("tiny")  # 0 SWA, 1 CSA, 2 HCA
 CHUNKS = [70, 1, 57, 1, 1]  # a prefill, decodes, a chunk that closes HCA block 127, decodes
-
-
-def _layer(layer_id: int, backends="reference") -> Attention:
-    attn = Attention(CFG, layer_id, backends=backends)
-    attn.reset_parameters(torch.Generator().manual_seed(0))
-    return attn
-
-
-def _x(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def _direct(monkeypatch, on: bool) -> None:
@@ -47,7 +37,7 @@ def _count_custom_ops(monkeypatch) -> list:
 @torch.no_grad()
 def _run(attn: Attention) -> tuple[list[torch.Tensor], dict]:
     cache = PagedKVCache(CFG, [attn.layer_id], num_blocks=256)
-    outs = [attn(_x(n, seed), cache.plan_step([StepRequest("a", n)])) for seed, n in enumerate(CHUNKS)]
+    outs = [attn(tiny_x(n, seed=seed), cache.plan_step([StepRequest("a", n)])) for seed, n in enumerate(CHUNKS)]
     return outs, {name: t.clone() for name, t in cache.layer(attn.layer_id).tensors().items()}
 
 
@@ -55,11 +45,11 @@ def _run(attn: Attention) -> tuple[list[torch.Tensor], dict]:
 def test_direct_calls_write_and_return_the_same_bits_as_the_ops(monkeypatch, layer_id):
     calls = _count_custom_ops(monkeypatch)
     _direct(monkeypatch, False)
-    ref_outs, ref_cache = _run(_layer(layer_id))
+    ref_outs, ref_cache = _run(tiny_layer(layer_id))
     assert len(calls) >= 3 * len(CHUNKS)  # qnorm_rope_insert, sparse_attention, output_projection at least
     calls.clear()
     _direct(monkeypatch, True)
-    outs, cache = _run(_layer(layer_id))
+    outs, cache = _run(tiny_layer(layer_id))
     assert calls == []  # no dsv4.ops boundary, no custom op
     assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs, strict=True))
     assert cache.keys() == ref_cache.keys()
@@ -113,7 +103,7 @@ def test_make_fx_of_the_layer_keeps_the_opaque_custom_ops(monkeypatch):
     cache = PagedKVCache(CFG, [1], num_blocks=64)
     step = cache.plan_step([StepRequest("a", 9)])
     with torch.no_grad():
-        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: attn(x, step), tracing_mode="real")(_x(9, 0))
+        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: attn(x, step), tracing_mode="real")(tiny_x(9, seed=0))
     graph = str(gm.graph)
     for op in ("qnorm_rope_insert", "compress_insert", "indexer_q", "indexer_topk", "sparse_attention",
                "output_projection"):
@@ -127,13 +117,13 @@ class _Counting(ReferenceBackend):
 def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_changes(monkeypatch):
     _direct(monkeypatch, True)
     resolved = _spy(monkeypatch, layer_dispatch, "resolve")
-    attn = _layer(1)  # CSA: seven op calls a forward, compress_insert twice
+    attn = tiny_layer(1)  # CSA: seven op calls a forward, compress_insert twice
     cache = PagedKVCache(CFG, [1], num_blocks=64)
 
     def forward(n: int = 1):
         resolved.clear()
         with torch.no_grad(), record_selections() as used:
-            attn(_x(n, 0), cache.plan_step([StepRequest("a", n)]))
+            attn(tiny_x(n, seed=0), cache.plan_step([StepRequest("a", n)]))
         return list(resolved), used
 
     first, used = forward(8)
@@ -163,9 +153,9 @@ def test_grad_mode_goes_through_the_ops(monkeypatch):
     inference would call the backends directly."""
     calls = _count_custom_ops(monkeypatch)
     _direct(monkeypatch, True)
-    attn = _layer(2)
+    attn = tiny_layer(2)
     cache = PagedKVCache(CFG, [2], num_blocks=64)
-    attn(_x(4, 0), cache.plan_step([StepRequest("a", 4)]))
+    attn(tiny_x(4, seed=0), cache.plan_step([StepRequest("a", 4)]))
     assert "sparse_attention" in calls
 
 
@@ -178,18 +168,18 @@ def test_a_backend_instance_needs_no_hash_and_copies_keep_the_registry_backends(
         knob: int = 1
 
     _direct(monkeypatch, True)
-    attn = _layer(1, backends=Tuned())
+    attn = tiny_layer(1, backends=Tuned())
     cache = PagedKVCache(CFG, [1], num_blocks=64)
     with torch.no_grad():
         for n in (5, 1):
-            attn(_x(n, n), cache.plan_step([StepRequest("a", n)]))
+            attn(tiny_x(n, seed=n), cache.plan_step([StepRequest("a", n)]))
     assert len(attn._selection_memo) == 1  # the prefill's selection, reused by the decode
-    reference = _layer(2)
+    reference = tiny_layer(2)
     with torch.no_grad():
-        reference(_x(3, 0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
+        reference(tiny_x(3, seed=0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
     twin = copy.deepcopy(reference)
     assert twin._selection_memo == {}  # rebuilt on the copy's first forward, with the registry's own backends
     with torch.no_grad():
-        twin(_x(3, 0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
+        twin(tiny_x(3, seed=0), PagedKVCache(CFG, [2], num_blocks=64).plan_step([StepRequest("a", 3)]))
     (direct,) = twin._selection_memo.values()
     assert all(impl is get_registry().get("reference") for impl in direct.chosen.values())
