@@ -41,15 +41,18 @@ def _sync(device: str) -> None:
 
 
 @contextlib.contextmanager
-def _through_ops():
-    """The layer calls ``dsv4.ops`` (boundary checks, custom ops, selection a call) instead of its
-    selected backends directly (``dsv4.layer_dispatch``), and the ops go through their custom ops even in
-    eager inference: the path before the eighteenth round."""
+def _through_ops(custom_ops: bool = True):
+    """The layer calls ``dsv4.ops`` (boundary checks, selection a call) instead of its selected backends
+    directly (``dsv4.layer_dispatch``). ``custom_ops``: the ops go through their custom ops even in eager
+    inference (the path before the eighteenth round); else they take their own eager bypass
+    (``dsv4.ops._call``), what a caller of ``dsv4.ops`` outside the layer gets."""
     import dsv4.layer
     import dsv4.ops
 
     real_direct, real_eager = dsv4.layer.direct_calls, dsv4.ops.eager_untraced
-    dsv4.layer.direct_calls = dsv4.ops.eager_untraced = lambda x: False
+    dsv4.layer.direct_calls = lambda x: False
+    if custom_ops:
+        dsv4.ops.eager_untraced = lambda x: False
     try:
         yield
     finally:
@@ -268,6 +271,8 @@ def measure(batch: int, context: int, backends: str, preset: str, device: str, c
             host_us, eager_us = _host_and_eager_us(run, device, calls)
             with _through_ops():
                 ops_host_us, ops_eager_us = _host_and_eager_us(run, device, calls)
+            with _through_ops(custom_ops=False):
+                bypass_host_us, bypass_eager_us = _host_and_eager_us(run, device, calls)
             launches = _launches(run, device)
             graph_us = None
             if device == "cuda":
@@ -281,6 +286,7 @@ def measure(batch: int, context: int, backends: str, preset: str, device: str, c
                 per_op = op_breakdown(run, device, calls)
         rows.append({"layer": name, "backends": backends, "batch": batch, "context": context,
                      "host_us": host_us, "eager_us": eager_us, "ops_host_us": ops_host_us, "ops_eager_us": ops_eager_us,
+                     "bypass_host_us": bypass_host_us, "bypass_eager_us": bypass_eager_us,
                      "launches": launches, "graph_us": graph_us,
                      "ops": per_op, "direct_ops": direct_ops})
     return rows, profiles
@@ -319,13 +325,14 @@ def main() -> None:
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if isinstance(v, float) else str(v)
 
-    print("direct: the layer calls its selected backends; via ops: through dsv4.ops and the custom ops")
+    print("direct: the layer calls its selected backends; via ops: through dsv4.ops and the custom ops; "
+          "ops bypass: through dsv4.ops, whose eager calls skip the custom ops")
     print(f"{'layer':<8} {'backends':<8} {'host us':>8} {'eager us':>9} {'host via ops':>12} {'eager via ops':>13} "
-          f"{'launches':>8} {'graph us':>9}")
+          f"{'host bypass':>11} {'eager bypass':>12} {'launches':>8} {'graph us':>9}")
     for r in rows:
         print(f"{r['layer']:<8} {r['backends']:<8} {fmt(r['host_us']):>8} {fmt(r['eager_us']):>9} "
-              f"{fmt(r['ops_host_us']):>12} {fmt(r['ops_eager_us']):>13} {fmt(r['launches']):>8} "
-              f"{fmt(r['graph_us']):>9}")
+              f"{fmt(r['ops_host_us']):>12} {fmt(r['ops_eager_us']):>13} {fmt(r['bypass_host_us']):>11} "
+              f"{fmt(r['bypass_eager_us']):>12} {fmt(r['launches']):>8} {fmt(r['graph_us']):>9}")
     if floor:
         print("\nlaunch floor, host us a call: " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
     print("\ndirect path: host us a forward inside each op's backend calls (timed in the layer)")
