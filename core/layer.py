@@ -110,9 +110,25 @@ class Compressor(nn.Module):
         return linear(x.to(compute), self._fused_weight(compute))
 
     def _weights_key(self) -> tuple[int, ...]:
-        # changes when a weight is replaced, moved or written in place (load_state_dict bumps versions)
+        # changes when a weight is replaced, moved or written in place through its version counter
+        # (load_state_dict, a no_grad copy_); a write through .data is not seen: refresh_weights()
         wkv, wgate = self.wkv.weight, self.wgate.weight
         return wkv.data_ptr(), wgate.data_ptr(), wkv._version, wgate._version
+
+    def refresh_weights(self) -> None:
+        """Rebuild the derived ``[Wkv; Wgate]`` copy now, from the current parameters, in place where its
+        shape and dtype still fit, so a CUDA graph captured earlier reads the new weights when it replays.
+
+        Needed after a weight write that bumps no version counter: ``param.data.copy_(w)`` (vLLM's default
+        weight loader, RL weight syncs). ``load_state_dict`` and ``with torch.no_grad(): param.copy_(w)``
+        are seen on the next forward without it (only eagerly: a graph replay runs no Python)."""
+        had_twin, fused_dtype = self.__dict__.get("_twin") is not None, self.__dict__.get("_fused_key")
+        self._twin_key = None
+        self._fused_key = None
+        if had_twin:
+            self._bf16_twin()
+        if fused_dtype is not None and self.__dict__.get("_twin") is None:
+            self._fused_weight(fused_dtype[-1])
 
     def _bf16_twin(self) -> torch.Tensor | None:
         """``[Wkv; Wgate]`` in bf16 when that is exact (every value a bf16 value), else None.
@@ -120,6 +136,7 @@ class Compressor(nn.Module):
         Decided once per weight version (one device sync); while a CUDA graph is being captured an
         undecided weight takes the fp32 path instead of syncing (warm up before capture to get the
         fast path in the graph). Only the bf16 copy is kept then, not an fp32 ``[Wkv; Wgate]`` too.
+        A rebuilt copy is written into the old one where shape and dtype agree (captured graphs hold it).
         """
         key = self._weights_key()
         if getattr(self, "_twin_key", None) != key:
@@ -130,19 +147,37 @@ class Compressor(nn.Module):
                 twin = torch.cat([wkv, wgate], 0).to(torch.bfloat16)
                 exact = torch.equal(twin[: wkv.shape[0]].to(wkv.dtype), wkv) and \
                     torch.equal(twin[wkv.shape[0]:].to(wgate.dtype), wgate)
-            self._twin, self._twin_key = (twin if exact else None), key
+                twin = _into(self.__dict__.get("_twin"), twin) if exact else None
+            self._twin, self._twin_key = twin, key
             if exact:  # the fp32 copy is not needed on this path
                 self._fused, self._fused_key = None, None
         return self._twin
 
     def _fused_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[Wkv; Wgate]`` in ``dtype``, built once per weight version, not on every step."""
+        """``[Wkv; Wgate]`` in ``dtype``, built once per weight version, not on every step.
+
+        Inside a CUDA graph capture a copy that is not built yet is not kept: the capture only records
+        the concatenation (its memory stays unwritten until a replay), so the graph concatenates on each
+        replay and nothing outside it can read an unwritten copy."""
         key = (*self._weights_key(), dtype)
         if getattr(self, "_fused_key", None) != key:
+            wkv, wgate = self.wkv.weight, self.wgate.weight
             with torch.no_grad():
-                self._fused = torch.cat([self.wkv.weight, self.wgate.weight], 0).to(dtype)
+                fused = torch.cat([wkv, wgate], 0).to(dtype)
+            if wkv.is_cuda and torch.cuda.is_current_stream_capturing():
+                return fused
+            with torch.no_grad():
+                self._fused = _into(self.__dict__.get("_fused"), fused)
             self._fused_key = key
         return self._fused
+
+
+def _into(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``new``'s values in ``old`` where it has the same shape, dtype and device (graphs captured earlier
+    read ``old``), else ``new``."""
+    if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
+        return old.copy_(new)
+    return new
 
 
 class Indexer(nn.Module):
@@ -219,12 +254,36 @@ class Attention(nn.Module):
         return state
 
     def reserve_positions(self, num_positions: int) -> None:
-        """Make the RoPE table hold positions ``[0, num_positions)`` (capped at max_position_embeddings)."""
+        """Make the RoPE table hold positions ``[0, num_positions)`` (capped at max_position_embeddings).
+
+        Call it with the engine's longest sequence before capturing CUDA graphs: a graph reads the table
+        it was captured with, and a forward captured before any call of this method is refused (the table
+        grows on demand in eager mode, which a replay cannot do). After a capture, a grown table leaves the
+        old one alive for the graphs that hold it."""
+        self._positions_reserved = True
+        self._grow_rope(num_positions)
+
+    def _grow_rope(self, num_positions: int) -> None:
         if num_positions <= self.cos_sin.shape[0]:
             return
+        if self.cos_sin.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise DSV4ValueError.of(
+                "step", f"positions below {self.cos_sin.shape[0]} (the RoPE table's rows) while a CUDA graph is "
+                "captured", f"a sequence of {num_positions} positions",
+                hint="call attn.reserve_positions(max_model_len) before capturing")
         rows = min(self.cfg.max_position_embeddings, 1 << (num_positions - 1).bit_length())
         table = rope_cos_sin(self.cfg, self.layer_id, max_positions=rows)
+        if self.__dict__.get("_graph_captured"):  # graphs captured earlier still read the old table
+            self.__dict__.setdefault("_retired_tables", []).append(self.cos_sin)
         self.cos_sin = table.to(device=self.cos_sin.device, dtype=self.cos_sin.dtype)
+
+    def refresh_weights(self) -> None:
+        """Rebuild the compressors' derived weights in place (:meth:`Compressor.refresh_weights`): call it
+        after writing parameters through ``.data`` (vLLM's ``default_weight_loader``, RL weight syncs), as
+        vLLM calls ``process_weights_after_loading``. ``load_state_dict`` needs no call."""
+        for module in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+            if module is not None:
+                module.refresh_weights()
 
     def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
         """Random weights (for tests and benchmarks): normal(0, std) linears, small APE and sink.
@@ -338,7 +397,13 @@ class Attention(nn.Module):
         else:
             raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
         calls = self._check(x, step, cache, attends=hi > lo)
-        self.reserve_positions(step.metadata.max_seq_len)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.__dict__.get("_positions_reserved"):
+                raise DSV4ValueError.of(
+                    "attn.reserve_positions", "a call before a CUDA graph is captured (the table a graph reads "
+                    "cannot grow on replay)", "no call", hint="call attn.reserve_positions(max_model_len) first")
+            self._graph_captured = True
+        self._grow_rope(step.metadata.max_seq_len)
         cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
         kv_format = step.cache.kv_format
         H, D = cfg.num_attention_heads, cfg.head_dim
@@ -349,34 +414,37 @@ class Attention(nn.Module):
         extra_cache = extra_indices = extra_lens = None
         streams = self._side_streams(x)
         main = torch.cuda.current_stream(x.device) if streams else None
-        if self.compressor is not None:
-            rm = md.ratios[self.kind.ratio]
-            extra_cache = lc.compressed
-            if streams:  # SPEC §3: compressor and indexer are independent of the q path until attention
-                for side in streams:
-                    side.wait_stream(main)
-            with _on(streams, 0):
-                calls.compress_insert(
-                    self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
-                    rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
-                    lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
-                    out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
-                    windows_in_call=md.windows_in_step(self.kind.ratio), backend=be["compress_insert"])
-            if self.indexer is None:  # HCA: every visible compressed entry
-                extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
-            else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
-                with _on(streams, 1):
-                    extra_indices, extra_lens = self._indexer(calls, x, qr, step, lo, hi)
+        try:
+            if self.compressor is not None:
+                rm = md.ratios[self.kind.ratio]
+                extra_cache = lc.compressed
+                if streams:  # SPEC §3: compressor and indexer are independent of the q path until attention
+                    for side in streams:
+                        side.wait_stream(main)
+                with _on(streams, 0):
+                    calls.compress_insert(
+                        self.compressor.kv_score(x), md.positions, md.token_request, lc.state, rm.state.block_table,
+                        rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
+                        lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
+                        out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
+                        windows_in_call=md.windows_in_step(self.kind.ratio), backend=be["compress_insert"])
+                if self.indexer is None:  # HCA: every visible compressed entry
+                    extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
+                else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
+                    with _on(streams, 1):
+                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lo, hi)
 
-        # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
-        # for all T tokens; only the rows' q is read below.
-        q = self.wq_b(qr).view(T, H, D)
-        q = calls.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
-                                  kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
-                                  backend=be["qnorm_rope_insert"])
+            # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
+            # for all T tokens; only the rows' q is read below.
+            q = self.wq_b(qr).view(T, H, D)
+            q = calls.qnorm_rope_insert(q, kv, md.positions, self.cos_sin, lc.swa, md.swa_slot_mapping,
+                                      kv_format=kv_format, eps=cfg.rms_norm_eps, profile=self.profile,
+                                      backend=be["qnorm_rope_insert"])
+        finally:  # also when something above raised: side work must not outlive the call unjoined
+            if streams:
+                for side in streams:
+                    main.wait_stream(side)
         if streams:
-            for side in streams:
-                main.wait_stream(side)
             for t in (extra_indices, extra_lens):
                 if t is not None:
                     t.record_stream(main)

@@ -230,3 +230,27 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
     cols = torch.arange(picks.shape[1])  # the CSA layer's picks: every valid one inside topk_lens
     assert not ((picks >= 0) & (cols[None, :] >= want[:, None])).any()
     assert ((picks >= 0).sum(1) == want).all()  # all pages allocated: every pick inside the lens is valid
+
+
+@pytest.mark.parametrize("layer_id", [1, 2])
+@torch.no_grad()
+def test_weights_written_through_data_are_used_after_refresh_weights(layer_id):
+    """vLLM's default weight loader writes ``param.data.copy_(w)``, which bumps no version counter: the
+    compressor's derived [Wkv; Wgate] copy is stale until ``refresh_weights()``, which rebuilds it in place
+    (the same storage, which CUDA graphs captured earlier read). A no_grad ``copy_`` is seen without it."""
+    x = tiny_x(300, seed=3)
+    fresh = _run(tiny_layer(layer_id, seed=1), x, [300])
+    attn = tiny_layer(layer_id, seed=0)
+    _run(attn, x, [300])
+    derived = [m._fused for m in (attn.compressor, attn.indexer and attn.indexer.compressor) if m is not None]
+    pointers = [t.data_ptr() for t in derived]
+    for mine, theirs in zip(attn.parameters(), tiny_layer(layer_id, seed=1).parameters()):
+        mine.data.copy_(theirs.data)
+    assert not torch.equal(_run(attn, x, [300]), fresh)  # the stale copy: why refresh_weights exists
+    attn.refresh_weights()
+    assert torch.equal(_run(attn, x, [300]), fresh)
+    assert [m._fused.data_ptr() for m in (attn.compressor, attn.indexer and attn.indexer.compressor)
+            if m is not None] == pointers
+    for mine, theirs in zip(attn.parameters(), tiny_layer(layer_id, seed=2).parameters()):
+        mine.copy_(theirs)  # versioned: seen on the next forward
+    assert torch.equal(_run(attn, x, [300]), _run(tiny_layer(layer_id, seed=2), x, [300]))
