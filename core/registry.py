@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -279,17 +280,24 @@ class Registry:
         cached = self._selections.get(key)
         if cached is not None:
             return cached
+        generation = self.generation
         if explicit is not None:
             chosen = self._forced(request, self.get(explicit), "argument backend")
         elif env is not None and env != "auto":
+            if env not in self._backends:
+                raise NoBackendError.of("DSV4_BACKEND", f"auto or one of {', '.join(self.backend_names()) or '(none)'}",
+                                        env, hint=self.failed_plugins_hint())
             chosen = self._forced(request, self.get(env), "DSV4_BACKEND")
         else:
             chosen = self._first_fit(request)
-        self._selections[key] = chosen
+        if self.generation == generation:  # a backend registered or removed meanwhile (another thread)
+            self._selections[key] = chosen
         return chosen
 
     def _forced(self, request: OpRequest, backend: Backend, source: str) -> Backend:
-        reasons = self.reasons(request, backend.name) if backend.name in self._backends \
+        # a registered backend's answers are cached by name; any other instance (also one that shares a
+        # registered backend's name: a subclass, a tuned copy) is asked itself
+        reasons = self.reasons(request, backend.name) if self._backends.get(backend.name) is backend \
             else list(backend.probe()) or list(backend.not_supported_reasons(request))
         if reasons:
             raise NoBackendError(
@@ -312,19 +320,22 @@ class Registry:
 
 
 _REGISTRY: Registry | None = None
+_REGISTRY_LOCK = threading.Lock()
 
 
 def get_registry() -> Registry:
     """The process-wide registry, loading the ``dsv4.backends`` entry points on first use."""
     global _REGISTRY
     if _REGISTRY is None:
-        registry = Registry()
-        registry.load_entry_points()
-        _REGISTRY = registry
-        if _env_flag("DSV4_TRACE_PLUGINS"):
-            for status in registry.plugin_statuses():
-                print(f"dsv4: plugin {status.name}: {status.state} {status.error or status.backends}",
-                      file=sys.stderr)
+        with _REGISTRY_LOCK:  # two threads' first calls load the plugins once
+            if _REGISTRY is None:
+                registry = Registry()
+                registry.load_entry_points()
+                _REGISTRY = registry
+                if _env_flag("DSV4_TRACE_PLUGINS"):
+                    for status in registry.plugin_statuses():
+                        print(f"dsv4: plugin {status.name}: {status.state} {status.error or status.backends}",
+                              file=sys.stderr)
     return _REGISTRY
 
 

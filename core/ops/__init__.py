@@ -261,7 +261,10 @@ def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
         raise DSV4ValueError.of("wo_a", f"[G*o_lora, (H/G)*{o.shape[2]}] with G dividing H={o.shape[1]}",
                                 f"shape {tuple(wo_a.shape)}")
     groups = width // wo_a.shape[1]
-    if wo_a.shape[0] % groups != 0 or wo_b.shape[1] != wo_a.shape[0]:
+    if wo_a.shape[0] % groups != 0:
+        raise DSV4ValueError.of("wo_a", f"{groups} groups of rows (shape [G*o_lora, {wo_a.shape[1]}] with G={groups})",
+                                f"shape {tuple(wo_a.shape)}")
+    if wo_b.shape[1] != wo_a.shape[0]:
         raise DSV4ValueError.of("wo_b", f"shape [hidden, {wo_a.shape[0]}]", f"shape {tuple(wo_b.shape)}")
     if value_checks_enabled(o):
         check_positions_range(positions, cos_sin.shape[0])

@@ -5,6 +5,7 @@ looked up once per device here, so the hot path does no driver queries.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -15,18 +16,19 @@ from dsv4.registry import get_registry
 
 __all__ = ["arch_of", "backend_name", "eager_untraced", "record", "record_selections", "recording", "resolve"]
 
-_recorded: dict[str, set[str]] | None = None
+_local = threading.local()  # .recorded: the open record_selections dict of this thread, if any
 
 
 @contextmanager
 def record_selections() -> Iterator[dict[str, set[str]]]:
-    """Collect ``{op: {backend names}}`` of every call dispatched inside the block (reports use it)."""
-    global _recorded
-    previous, _recorded = _recorded, {}
+    """Collect ``{op: {backend names}}`` of every call dispatched inside the block (reports use it).
+    Per thread: blocks in two threads record their own calls and restore their own state."""
+    previous = getattr(_local, "recorded", None)
+    _local.recorded = recorded = {}
     try:
-        yield _recorded
+        yield recorded
     finally:
-        _recorded = previous
+        _local.recorded = previous
 
 
 @cache
@@ -49,13 +51,14 @@ def resolve(op: str, device: torch.device, backend: str | Backend | None, **fiel
 
 def recording() -> bool:
     """A ``record_selections`` block is open (callers that memoize ``resolve`` record only then)."""
-    return _recorded is not None
+    return getattr(_local, "recorded", None) is not None
 
 
 def record(op: str, impl: Backend) -> None:
     """Note that ``impl`` runs ``op`` (inside ``record_selections``; callers that memoize ``resolve``)."""
-    if _recorded is not None:
-        _recorded.setdefault(op, set()).add(impl.name)
+    recorded = getattr(_local, "recorded", None)
+    if recorded is not None:
+        recorded.setdefault(op, set()).add(impl.name)
 
 
 def backend_name(backend: str | Backend | None) -> str:

@@ -154,3 +154,52 @@ def test_allow_list_blocks_other_plugins(fixture_plugins, monkeypatch):
     statuses = {s.name: s.state for s in registry.load_entry_points()}
     assert statuses["reference"] == "loaded" and statuses["fixture-broken"] == "blocked"
     assert registry.backend_names() == ["reference"]
+
+
+def test_an_instance_sharing_a_registered_name_is_asked_itself():
+    """A tuned copy or subclass that is not the registered object answers for itself: one that refuses the
+    request is refused, one that accepts it is returned (not the registered backend of that name)."""
+    reg = Registry()
+    registered = _backend("x", ops=frozenset({"indexer_q"}))
+    reg.register_backend(registered)
+    request = OpRequest("indexer_q", device_type="cpu")
+    cuda_only = type("CudaOnly", (Backend,), {"name": "x", "capabilities": Capabilities(
+        ops=frozenset({"indexer_q"}), device_types=frozenset({"cuda"}))})()
+    with pytest.raises(NoBackendError, match="backend x cannot run .*needs device type cuda"):
+        reg.select(request, cuda_only)
+    twin = type("Twin", (Backend,), {"name": "x", "capabilities": Capabilities(ops=frozenset({"indexer_q"}))})()
+    assert reg.select(request, twin) is twin and reg.select(request, registered) is registered
+
+
+def test_an_unknown_dsv4_backend_is_named(monkeypatch):
+    reg = Registry()
+    reg.register_backend(_backend("x", ops=frozenset({"indexer_q"})))
+    monkeypatch.setenv("DSV4_BACKEND", "bogus")
+    with pytest.raises(NoBackendError, match="DSV4_BACKEND: expected auto or one of x, got bogus"):
+        reg.select(OpRequest("indexer_q", device_type="cpu"))
+
+
+def test_record_selections_is_per_thread():
+    """Two overlapping blocks in two threads each see their own calls and leave recording off at the end."""
+    import threading
+
+    from dsv4.ops.dispatch import record, record_selections, recording
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with record_selections() as mine:
+            inside.set()
+            release.wait(5)
+            record("indexer_q", _backend("b"))
+        seen["other"] = mine
+
+    thread = threading.Thread(target=other)
+    with record_selections() as used:
+        thread.start()
+        inside.wait(5)
+        record("indexer_q", _backend("a"))
+    release.set()
+    thread.join(5)
+    assert used == {"indexer_q": {"a"}} and seen["other"] == {"indexer_q": {"b"}}
+    assert not recording()

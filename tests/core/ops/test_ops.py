@@ -165,3 +165,13 @@ def test_indexer_topk_slots_page_arguments_follow_one_rule_at_every_entry(table_
     slots, lens = ReferenceBackend().indexer_topk_slots(*args, torch.zeros((4, 3), dtype=torch.int32),
                                                         compressed_block_size=np.int64(4), **kwargs)
     assert slots.dtype == lens.dtype == torch.int32  # an integer with __index__ is taken
+
+
+def test_output_projection_names_wo_a_when_its_rows_do_not_split_into_groups():
+    prepared = prepare(_CASES["output_projection"])
+    (o, positions, cos_sin, wo_a, wo_b), kwargs = prepared.steps[0]
+    width = o.shape[1] * o.shape[2]
+    bad_a = torch.zeros(3, width // 2, dtype=wo_a.dtype)  # two groups of (H/2)*D columns, 3 rows
+    bad_b = torch.zeros(wo_b.shape[0], 3, dtype=wo_b.dtype)
+    with pytest.raises(DSV4ValueError, match=r"wo_a: expected 2 groups of rows .*got shape \(3, "):
+        ops.output_projection(o, positions, cos_sin, bad_a, bad_b, **kwargs)
