@@ -25,5 +25,5 @@ CAPABILITIES = Capabilities(
     supports_sink=True,
     returns_lse=True,
     profiles=None,
-    cuda_graphs=False,
+    cuda_graphs=True,  # H200: tools/check_flashmla.py graph rows, bench_layer graph == eager (its schedule: attention.py)
 )

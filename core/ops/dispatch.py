@@ -14,7 +14,7 @@ import torch
 from dsv4.backend import Backend, OpRequest, device_arch
 from dsv4.registry import get_registry
 
-__all__ = ["arch_of", "backend_name", "eager_untraced", "record", "record_selections", "recording", "resolve"]
+__all__ = ["arch_of", "backend_name", "capturing", "eager_untraced", "record", "record_selections", "recording", "resolve"]
 
 _local = threading.local()  # .recorded: the open record_selections dict of this thread, if any
 
@@ -43,10 +43,17 @@ def arch_of(device: torch.device) -> str | None:
 
 def resolve(op: str, device: torch.device, backend: str | Backend | None, **fields: object) -> Backend:
     """The backend that runs ``op`` on ``device`` with the request ``fields`` (see ``OpRequest``)."""
-    request = OpRequest(op=op, device_type=device.type, arch=arch_of(device), **fields)  # type: ignore[arg-type]
+    request = OpRequest(op=op, device_type=device.type, arch=arch_of(device), cuda_graph=capturing(device),
+                        **fields)  # type: ignore[arg-type]
     impl = get_registry().select(request, backend)
     record(op, impl)
     return impl
+
+
+def capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on ``device``'s current stream (a host query, no sync): selection
+    then takes only backends whose ``Capabilities.cuda_graphs`` says they are safe to capture."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def recording() -> bool:
