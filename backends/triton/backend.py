@@ -40,6 +40,13 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
         raise DSV4ValueError.of(name, "unit stride along the last dim", t.stride())
 
 
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the kernels read it: a [T] index tensor (positions, slot mappings, token_request, lens) at
+    ``ptr + t``, a block table row at ``ptr + row * stride(0) + page``. A strided view (``t2[:, 0]``,
+    ``table[:, ::2]``) is copied; a tensor with unit last stride is passed as it is (no copy)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -115,8 +122,9 @@ class TritonBackend(Backend):
         _check_shape("swa_slot_mapping", swa_slot_mapping, (num_tokens,))
         _check_rows("q", q)
         _check_rows("kv", kv)
-        return kernels.qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, layout, swa_slot_mapping,
-                                         eps=float(eps), deepseek_qnorm=get_profile(profile).name == "deepseek")
+        return kernels.qnorm_rope_insert(q, kv, _unit_stride(positions), cos_sin, swa_cache, layout,
+                                         _unit_stride(swa_slot_mapping), eps=float(eps),
+                                         deepseek_qnorm=get_profile(profile).name == "deepseek")
 
     def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
                         state_slot_mapping, ape, norm_weight, cos_sin, out_cache, out_slot_mapping, *,
@@ -159,9 +167,10 @@ class TritonBackend(Backend):
         _check_cos_sin(cos_sin, kernel_kw["rope_dim"])
         _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
         _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
-        compressor.compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
-                                   state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
-                                   out_slot_mapping, ratio=ratio, head_dim=head_dim, eps=float(eps),
+        compressor.compress_insert(kv_score, _unit_stride(positions), _unit_stride(token_request), state_cache,
+                                   state_block_table, _unit_stride(state_slot_mapping), ape,
+                                   norm_weight.contiguous(), cos_sin, out_cache, layout,
+                                   _unit_stride(out_slot_mapping), ratio=ratio, head_dim=head_dim, eps=float(eps),
                                    windows_in_call=bool(windows_in_call) and not _capturing(kv_score), **kernel_kw)
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
@@ -186,7 +195,7 @@ class TritonBackend(Backend):
         hadamard = _hadamard(dim, index_q.device) if numerics.indexer_hadamard else None
         from dsv4.specs.formats import get_format
 
-        return indexer.indexer_q(index_q, weights, positions, cos_sin, hadamard=hadamard,
+        return indexer.indexer_q(index_q, weights, _unit_stride(positions), cos_sin, hadamard=hadamard,
                                  quant=numerics.indexer_quant, rope_dim=cos_sin.shape[1],
                                  fp4_block=get_format("indexer_mxfp4").quant_block)
 
@@ -213,8 +222,8 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("ratio", "a positive int", ratio)
         layout = key_layout(key_format, key_cache)
         _check_shape("q", q, (num_tokens, heads, layout.dim))
-        return indexer.indexer_topk(q, w, positions, token_request, key_cache, layout,
-                                    key_block_table.contiguous(), topk=topk, ratio=ratio)
+        return indexer.indexer_topk(q, w, _unit_stride(positions), _unit_stride(token_request), key_cache,
+                                    layout, key_block_table.contiguous(), topk=topk, ratio=ratio)
 
     def indexer_topk_slots(self, q, w, positions, token_request, key_cache, key_block_table,
                            compressed_block_table, *, topk: int, key_format: str, compressed_block_size: int,
@@ -265,8 +274,9 @@ class TritonBackend(Backend):
         _check_dtype("sink", sink, torch.float32)
         _check_shape("sink", sink, (heads,))
         numerics = get_profile(profile)
-        return kernels.sparse_attention(q, swa_cache, swa_layout, swa_indices, swa_lens, extra_cache,
-                                        extra_layout, extra_indices, extra_lens, sink.contiguous(),
+        return kernels.sparse_attention(q, swa_cache, swa_layout, swa_indices, _unit_stride(swa_lens),
+                                        extra_cache, extra_layout, extra_indices, _unit_stride(extra_lens),
+                                        sink.contiguous(),
                                         softmax_scale=float(softmax_scale),
                                         probs_bf16=numerics.attention_probs_bf16, **tuning)
 
@@ -295,7 +305,7 @@ class TritonBackend(Backend):
         from dsv4.specs.formats import get_format
 
         fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
-        return kernels.output_projection(o, positions, cos_sin, wo_a.contiguous(), wo_b,
+        return kernels.output_projection(o, _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
                                          fp8_activations=bool(fp8_activations),
                                          rope_dim=get_format("fp8_ds_mla").rope_dim, fp8_block=fp8_block)
 
