@@ -168,7 +168,7 @@ class TritonBackend(Backend):
         _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
         _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
         compressor.compress_insert(kv_score, _unit_stride(positions), _unit_stride(token_request), state_cache,
-                                   state_block_table, _unit_stride(state_slot_mapping), ape,
+                                   _unit_stride(state_block_table), _unit_stride(state_slot_mapping), ape,
                                    norm_weight.contiguous(), cos_sin, out_cache, layout,
                                    _unit_stride(out_slot_mapping), ratio=ratio, head_dim=head_dim, eps=float(eps),
                                    windows_in_call=bool(windows_in_call) and not _capturing(kv_score), **kernel_kw)
@@ -223,7 +223,7 @@ class TritonBackend(Backend):
         layout = key_layout(key_format, key_cache)
         _check_shape("q", q, (num_tokens, heads, layout.dim))
         return indexer.indexer_topk(q, w, _unit_stride(positions), _unit_stride(token_request), key_cache,
-                                    layout, key_block_table.contiguous(), topk=topk, ratio=ratio)
+                                    layout, _unit_stride(key_block_table), topk=topk, ratio=ratio)
 
     def indexer_topk_slots(self, q, w, positions, token_request, key_cache, key_block_table,
                            compressed_block_table, *, topk: int, key_format: str, compressed_block_size: int,

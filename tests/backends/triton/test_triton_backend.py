@@ -91,6 +91,12 @@ def test_compress_insert_strided_vectors() -> None:
     _compress_twice(strided_vectors=True, strided_table=False)
 
 
+def test_compress_insert_strided_block_table() -> None:
+    """A column slice ``wide[:, ::2]`` (stride (8, 2)) as state_block_table: the state-pool launch reads the
+    decode block's window through it."""
+    _compress_twice(strided_vectors=False, strided_table=True)
+
+
 def test_indexer_q_strided_positions() -> None:
     torch.manual_seed(0)
     index_q = (torch.randn(3, 16, 128) * 3).to(torch.bfloat16)
