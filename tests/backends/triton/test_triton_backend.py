@@ -160,3 +160,82 @@ def test_output_projection_strided_positions() -> None:
     got = TritonBackend().output_projection(o, _column(positions, 0), cos_sin, wo_a, wo_b, fp8_activations=False)
     want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=False)
     assert torch.equal(got, want)
+
+
+# -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
+# Kernels address a head as head * stride(1) in int32, which overflows for such a layout once
+# (H-1)*T*512 >= 2**31 (a GPU-sized tensor); here: the launcher must get packed heads, outputs must come
+# out contiguous, and the values must be those of the contiguous call.
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    num_tokens, _, dim = x.shape
+    y = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert y.stride() == (dim, num_tokens * dim, 1) and torch.equal(y, x)
+    return y
+
+
+def _launcher_q_strides(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
+    """Record the strides of the first argument (q / o) of each call of ``module.name``."""
+    real, seen = getattr(module, name), []
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.stride())
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
+    from dsv4.backends.triton import qnorm_rope_insert as kernels
+
+    torch.manual_seed(0)
+    num_tokens, heads = 3, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    kv = torch.randn(num_tokens, 512).to(torch.bfloat16)
+    positions, slots, cos_sin = torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]), cos_sin_table(16)
+    cache = get_codec("fp8_ds_mla").allocate(1, 16)
+    expected_cache = cache.clone()
+    kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
+    seen = _launcher_q_strides(monkeypatch, kernels, "qnorm_rope_insert")
+    got = TritonBackend().qnorm_rope_insert(_head_major(q), kv, positions, cos_sin, cache, slots, **kw)
+    want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
+    assert seen[0][1:] == (512, 1)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(_bytes(cache), _bytes(expected_cache))
+
+
+def test_sparse_attention_head_major_q(monkeypatch) -> None:
+    """One split (the kernel's own epilogue) and three (partials merged by the combine kernel)."""
+    from dsv4.backends.triton import sparse_attention as kernels
+
+    torch.manual_seed(0)
+    codec = get_codec("fp8_ds_mla")
+    swa = codec.allocate(2, 16)
+    codec.write_rows(swa, torch.arange(32), torch.randn(32, 512))
+    num_tokens, heads = 3, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 32, (num_tokens, 32), dtype=torch.int32)
+    swa_lens = torch.tensor([32, 3, 20], dtype=torch.int32)
+    sink = torch.randn(heads)
+    seen = _launcher_q_strides(monkeypatch, kernels, "sparse_attention")
+    for splits in (1, 3):
+        kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek", "num_splits": splits}
+        got = TritonBackend().sparse_attention(_head_major(q), swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        want = TritonBackend().sparse_attention(q, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        assert seen[-2][1:] == (512, 1)
+        assert got[0].is_contiguous() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_output_projection_head_major_o(monkeypatch) -> None:
+    from dsv4.backends.triton import output_projection as kernels
+
+    torch.manual_seed(0)
+    o = torch.randn(3, 4, 512).to(torch.bfloat16)
+    positions, cos_sin = torch.tensor([7, 12, 3]), cos_sin_table(16)
+    wo_a = (torch.randn(64, 2 * 512) * 0.02).to(torch.bfloat16)
+    wo_b = (torch.randn(48, 64) * 0.2).to(torch.bfloat16)
+    seen = _launcher_q_strides(monkeypatch, kernels, "output_projection")
+    got = TritonBackend().output_projection(_head_major(o), positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    assert seen[0][1:] == (512, 1)
+    assert torch.equal(got, want)
