@@ -8,6 +8,7 @@ import torch
 from dsv4.backend import Backend, Capabilities, OpRequest
 from dsv4.backends.triton.capabilities import CAPABILITIES, probe_reasons
 from dsv4.backends.triton.layout import key_layout, latent_layout
+from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 from dsv4.specs.numerics import get_profile
 
@@ -70,9 +71,10 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
 
 
 def compressor_launch_args(out_cache: torch.Tensor, out_format: str, head_dim: int, profile: str,
-                           cos_sin: torch.Tensor, device: torch.device) -> tuple[Any, dict[str, Any]]:
+                           device: torch.device) -> tuple[Any, dict[str, Any]]:
     """(out layout, the keywords that format and profile decide for ``compressor.compress_insert``:
-    deepseek_rounding, hadamard, rope_dim). Raises on a head_dim the format does not hold."""
+    deepseek_rounding, hadamard, rope_dim: the latent format's, or SPEC §1's ``ROPE_DIM`` for indexer keys).
+    Raises on a head_dim the format does not hold."""
     indexer_keys = out_format.startswith("indexer_")
     layout = key_layout(out_format, out_cache, "out_cache") if indexer_keys \
         else latent_layout(out_format, out_cache, "out_cache")
@@ -82,7 +84,7 @@ def compressor_launch_args(out_cache: torch.Tensor, out_format: str, head_dim: i
     numerics = get_profile(profile)
     hadamard = _hadamard(head_dim, device) if indexer_keys and numerics.indexer_hadamard else None
     return layout, {"deepseek_rounding": numerics.compressor_rounding == "deepseek", "hadamard": hadamard,
-                    "rope_dim": cos_sin.shape[1] if indexer_keys else layout.rope_dim}
+                    "rope_dim": ROPE_DIM if indexer_keys else layout.rope_dim}
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -146,8 +148,7 @@ class TritonBackend(Backend):
 
         if ratio not in (4, 128):
             raise DSV4ValueError.of("ratio", "4 or 128", ratio)
-        layout, kernel_kw = compressor_launch_args(out_cache, out_format, head_dim, profile, cos_sin,
-                                                   kv_score.device)
+        layout, kernel_kw = compressor_launch_args(out_cache, out_format, head_dim, profile, kv_score.device)
         coff = 2 if ratio == 4 else 1
         width = 2 * coff * head_dim
         _check_dtype("kv_score", kv_score, torch.float32)
@@ -195,7 +196,7 @@ class TritonBackend(Backend):
         _check_rows("weights", weights)
         _check_dtype("positions", positions, torch.int64)
         _check_shape("positions", positions, (num_tokens,))
-        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        _check_cos_sin(cos_sin, ROPE_DIM)
         numerics = get_profile(profile)
         if numerics.indexer_quant not in ("fp4", "fp8"):
             raise DSV4ValueError.of("profile", "a profile with fp4 or fp8 indexer quantization (Triton)",
@@ -204,7 +205,7 @@ class TritonBackend(Backend):
         from dsv4.specs.formats import get_format
 
         return indexer.indexer_q(index_q, weights, _unit_stride(positions), cos_sin, hadamard=hadamard,
-                                 quant=numerics.indexer_quant, rope_dim=cos_sin.shape[1],
+                                 quant=numerics.indexer_quant, rope_dim=ROPE_DIM,
                                  fp4_block=get_format("indexer_mxfp4").quant_block)
 
     def indexer_topk(self, q, w, positions, token_request, key_cache, key_block_table, *,
@@ -299,7 +300,7 @@ class TritonBackend(Backend):
         num_tokens, heads, dim = o.shape
         _check_dtype("positions", positions, torch.int64)
         _check_shape("positions", positions, (num_tokens,))
-        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        _check_cos_sin(cos_sin, ROPE_DIM)
         _check_dtype("wo_a", wo_a, torch.bfloat16)
         _check_dtype("wo_b", wo_b, torch.bfloat16)
         _check_shape("wo_a", wo_a, (None, None))
@@ -310,12 +311,10 @@ class TritonBackend(Backend):
         if wo_a.shape[0] % groups:
             raise DSV4ValueError.of("wo_a", f"a first dim divisible by G={groups}", list(wo_a.shape))
         _check_shape("wo_b", wo_b, (None, wo_a.shape[0]))
-        from dsv4.specs.formats import get_format
-
         fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
         return kernels.output_projection(_packed_heads(o), _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
                                          fp8_activations=bool(fp8_activations),
-                                         rope_dim=get_format("fp8_ds_mla").rope_dim, fp8_block=fp8_block)
+                                         rope_dim=ROPE_DIM, fp8_block=fp8_block)
 
 
 def _interpreting() -> bool:

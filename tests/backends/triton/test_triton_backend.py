@@ -2,14 +2,17 @@
 
 Kernels read a [T] index tensor as ``ptr + t`` and a block-table row as ``ptr + row * stride(0) + page``,
 so a strided view must reach them copied. Each test runs one op twice, on strided views and on
-contiguous copies of the same values, and wants the same bytes out (outputs and caches).
+contiguous copies of the same values, and wants the same bytes out (outputs and caches). Then
+head-major q / o, and cos_sin tables of another width than the rope dims (refused, nothing written).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from _triton_helpers import cos_sin_table, poisoned_like
 from dsv4.backends.triton import TritonBackend
 from dsv4.codecs import get_codec
+from dsv4.specs.errors import DSV4ValueError
 
 
 def _column(values: torch.Tensor, junk: int) -> torch.Tensor:
@@ -239,3 +242,35 @@ def test_output_projection_head_major_o(monkeypatch) -> None:
     want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
     assert seen[0][1:] == (512, 1)
     assert torch.equal(got, want)
+
+
+# -- cos_sin of another width than SPEC §1's 64 rope dims ---------------------------------------------------
+@pytest.mark.parametrize("width", [32, 128])
+def test_cos_sin_of_another_width_is_refused(width: int) -> None:
+    """Every op that rotates refuses a [P, 32] or [P, 128] table before launching: before, indexer_q,
+    output_projection and the indexer-key compress_insert took the table's width as the rope width."""
+    torch.manual_seed(0)
+    wrong = cos_sin_table(64).repeat(1, 2) if width == 128 else cos_sin_table(64)[:, :32].contiguous()
+    positions = torch.tensor([3, 7])
+    backend = TritonBackend()
+    match = r"cos_sin: expected shape \[\*, 64\]"
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.indexer_q(torch.randn(2, 16, 128).to(torch.bfloat16), torch.randn(2, 16), positions, wrong,
+                          profile="vllm")
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.output_projection(torch.randn(2, 4, 512).to(torch.bfloat16), positions, wrong,
+                                  torch.randn(32, 4 * 512).to(torch.bfloat16), torch.randn(48, 32).to(torch.bfloat16),
+                                  fp8_activations=False)
+    cache = get_codec("fp8_ds_mla").allocate(1, 16)
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.qnorm_rope_insert(torch.randn(2, 4, 512).to(torch.bfloat16), torch.randn(2, 512).to(torch.bfloat16),
+                                  positions, wrong, cache, torch.tensor([0, 1]), kv_format="fp8_ds_mla", eps=1e-6)
+    state = torch.randn(2, 8, 512)
+    out_cache = poisoned_like(get_codec("indexer_fp8").allocate(1, 4))
+    state_before, out_before = state.clone(), out_cache.clone()
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.compress_insert(torch.randn(2, 512), positions, torch.zeros(2, dtype=torch.int32), state,
+                                torch.tensor([[0]], dtype=torch.int32), positions, torch.randn(4, 256),
+                                torch.rand(128) + 0.5, wrong, out_cache, torch.tensor([-1, 1]), ratio=4,
+                                head_dim=128, out_format="indexer_fp8", profile="vllm", eps=1e-6)
+    assert torch.equal(state, state_before) and torch.equal(_bytes(out_cache), _bytes(out_before))
