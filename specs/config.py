@@ -18,7 +18,7 @@ from dsv4.specs.errors import ConfigError, DSV4Error
 from dsv4.specs.layer_kinds import LayerKind
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-__all__ = ["ModelConfig", "RopeScaling", "preset_names"]
+__all__ = ["ROPE_DIM", "ModelConfig", "RopeScaling", "preset_names"]
 
 # SPEC §1: fixed by every kernel; small configs shrink everything else.
 HEAD_DIM = 512

@@ -295,8 +295,7 @@ def bench_compressor(ceil: dict[str, float], num_tokens: int = 32768, ratio: int
     # A fresh prefill: the layer passes StepMetadata.windows_in_step (True here), which the Triton backend
     # honours outside graph capture only, so the graph is captured on the bare first launch (what an eager
     # call runs); the two-launch path (what a continuing chunk of this size runs) is timed beside it.
-    layout, kernel_kw = compressor_launch_args(b["out_cache"], out_format, head_dim, profile, b["cos_sin"],
-                                               torch.device(device))
+    layout, kernel_kw = compressor_launch_args(b["out_cache"], out_format, head_dim, profile, torch.device(device))
 
     def fresh(i: int):
         triton_compressor.compress_insert(kv_scores[i], *common, layout, b["out_slots"], ratio=ratio,

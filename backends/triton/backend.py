@@ -8,6 +8,7 @@ import torch
 from dsv4.backend import Backend, Capabilities, OpRequest
 from dsv4.backends.triton.capabilities import CAPABILITIES, probe_reasons
 from dsv4.backends.triton.layout import key_layout, latent_layout
+from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 from dsv4.specs.numerics import get_profile
 
@@ -40,6 +41,21 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
         raise DSV4ValueError.of(name, "unit stride along the last dim", t.stride())
 
 
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the kernels read it: a [T] index tensor (positions, slot mappings, token_request, lens) at
+    ``ptr + t``, a block table row at ``ptr + row * stride(0) + page``. A strided view (``t2[:, 0]``,
+    ``table[:, ::2]``) is copied; a tensor with unit last stride is passed as it is (no copy)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _packed_heads(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] ``t`` with each token's heads packed (strides (*, D, 1)), else a contiguous copy. Kernels
+    address a head as ``head * stride(1)`` in int32: a head-major layout (``x[H, T, D].transpose(0, 1)``,
+    stride(1) = T*D) overflows it once (H-1)*T*D >= 2**31. The token stride may be anything (int64 there)."""
+    if t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == t.shape[2]):
+        return t
+    return t.contiguous()
+
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -55,9 +71,10 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
 
 
 def compressor_launch_args(out_cache: torch.Tensor, out_format: str, head_dim: int, profile: str,
-                           cos_sin: torch.Tensor, device: torch.device) -> tuple[Any, dict[str, Any]]:
+                           device: torch.device) -> tuple[Any, dict[str, Any]]:
     """(out layout, the keywords that format and profile decide for ``compressor.compress_insert``:
-    deepseek_rounding, hadamard, rope_dim). Raises on a head_dim the format does not hold."""
+    deepseek_rounding, hadamard, rope_dim: the latent format's, or SPEC §1's ``ROPE_DIM`` for indexer keys).
+    Raises on a head_dim the format does not hold."""
     indexer_keys = out_format.startswith("indexer_")
     layout = key_layout(out_format, out_cache, "out_cache") if indexer_keys \
         else latent_layout(out_format, out_cache, "out_cache")
@@ -67,7 +84,7 @@ def compressor_launch_args(out_cache: torch.Tensor, out_format: str, head_dim: i
     numerics = get_profile(profile)
     hadamard = _hadamard(head_dim, device) if indexer_keys and numerics.indexer_hadamard else None
     return layout, {"deepseek_rounding": numerics.compressor_rounding == "deepseek", "hadamard": hadamard,
-                    "rope_dim": cos_sin.shape[1] if indexer_keys else layout.rope_dim}
+                    "rope_dim": ROPE_DIM if indexer_keys else layout.rope_dim}
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -115,8 +132,9 @@ class TritonBackend(Backend):
         _check_shape("swa_slot_mapping", swa_slot_mapping, (num_tokens,))
         _check_rows("q", q)
         _check_rows("kv", kv)
-        return kernels.qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, layout, swa_slot_mapping,
-                                         eps=float(eps), deepseek_qnorm=get_profile(profile).name == "deepseek")
+        return kernels.qnorm_rope_insert(_packed_heads(q), kv, _unit_stride(positions), cos_sin, swa_cache, layout,
+                                         _unit_stride(swa_slot_mapping), eps=float(eps),
+                                         deepseek_qnorm=get_profile(profile).name == "deepseek")
 
     def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
                         state_slot_mapping, ape, norm_weight, cos_sin, out_cache, out_slot_mapping, *,
@@ -130,8 +148,7 @@ class TritonBackend(Backend):
 
         if ratio not in (4, 128):
             raise DSV4ValueError.of("ratio", "4 or 128", ratio)
-        layout, kernel_kw = compressor_launch_args(out_cache, out_format, head_dim, profile, cos_sin,
-                                                   kv_score.device)
+        layout, kernel_kw = compressor_launch_args(out_cache, out_format, head_dim, profile, kv_score.device)
         coff = 2 if ratio == 4 else 1
         width = 2 * coff * head_dim
         _check_dtype("kv_score", kv_score, torch.float32)
@@ -159,9 +176,10 @@ class TritonBackend(Backend):
         _check_cos_sin(cos_sin, kernel_kw["rope_dim"])
         _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
         _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
-        compressor.compress_insert(kv_score, positions, token_request, state_cache, state_block_table,
-                                   state_slot_mapping, ape, norm_weight.contiguous(), cos_sin, out_cache, layout,
-                                   out_slot_mapping, ratio=ratio, head_dim=head_dim, eps=float(eps),
+        compressor.compress_insert(kv_score, _unit_stride(positions), _unit_stride(token_request), state_cache,
+                                   _unit_stride(state_block_table), _unit_stride(state_slot_mapping), ape,
+                                   norm_weight.contiguous(), cos_sin, out_cache, layout,
+                                   _unit_stride(out_slot_mapping), ratio=ratio, head_dim=head_dim, eps=float(eps),
                                    windows_in_call=bool(windows_in_call) and not _capturing(kv_score), **kernel_kw)
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
@@ -178,7 +196,7 @@ class TritonBackend(Backend):
         _check_rows("weights", weights)
         _check_dtype("positions", positions, torch.int64)
         _check_shape("positions", positions, (num_tokens,))
-        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        _check_cos_sin(cos_sin, ROPE_DIM)
         numerics = get_profile(profile)
         if numerics.indexer_quant not in ("fp4", "fp8"):
             raise DSV4ValueError.of("profile", "a profile with fp4 or fp8 indexer quantization (Triton)",
@@ -186,8 +204,8 @@ class TritonBackend(Backend):
         hadamard = _hadamard(dim, index_q.device) if numerics.indexer_hadamard else None
         from dsv4.specs.formats import get_format
 
-        return indexer.indexer_q(index_q, weights, positions, cos_sin, hadamard=hadamard,
-                                 quant=numerics.indexer_quant, rope_dim=cos_sin.shape[1],
+        return indexer.indexer_q(index_q, weights, _unit_stride(positions), cos_sin, hadamard=hadamard,
+                                 quant=numerics.indexer_quant, rope_dim=ROPE_DIM,
                                  fp4_block=get_format("indexer_mxfp4").quant_block)
 
     def indexer_topk(self, q, w, positions, token_request, key_cache, key_block_table, *,
@@ -213,8 +231,8 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("ratio", "a positive int", ratio)
         layout = key_layout(key_format, key_cache)
         _check_shape("q", q, (num_tokens, heads, layout.dim))
-        return indexer.indexer_topk(q, w, positions, token_request, key_cache, layout,
-                                    key_block_table.contiguous(), topk=topk, ratio=ratio)
+        return indexer.indexer_topk(q, w, _unit_stride(positions), _unit_stride(token_request), key_cache,
+                                    layout, _unit_stride(key_block_table), topk=topk, ratio=ratio)
 
     def indexer_topk_slots(self, q, w, positions, token_request, key_cache, key_block_table,
                            compressed_block_table, *, topk: int, key_format: str, compressed_block_size: int,
@@ -265,8 +283,9 @@ class TritonBackend(Backend):
         _check_dtype("sink", sink, torch.float32)
         _check_shape("sink", sink, (heads,))
         numerics = get_profile(profile)
-        return kernels.sparse_attention(q, swa_cache, swa_layout, swa_indices, swa_lens, extra_cache,
-                                        extra_layout, extra_indices, extra_lens, sink.contiguous(),
+        return kernels.sparse_attention(_packed_heads(q), swa_cache, swa_layout, swa_indices, _unit_stride(swa_lens),
+                                        extra_cache, extra_layout, extra_indices, _unit_stride(extra_lens),
+                                        sink.contiguous(),
                                         softmax_scale=float(softmax_scale),
                                         probs_bf16=numerics.attention_probs_bf16, **tuning)
 
@@ -281,7 +300,7 @@ class TritonBackend(Backend):
         num_tokens, heads, dim = o.shape
         _check_dtype("positions", positions, torch.int64)
         _check_shape("positions", positions, (num_tokens,))
-        _check_cos_sin(cos_sin, cos_sin.shape[1] if cos_sin.dim() == 2 else -1)
+        _check_cos_sin(cos_sin, ROPE_DIM)
         _check_dtype("wo_a", wo_a, torch.bfloat16)
         _check_dtype("wo_b", wo_b, torch.bfloat16)
         _check_shape("wo_a", wo_a, (None, None))
@@ -292,12 +311,10 @@ class TritonBackend(Backend):
         if wo_a.shape[0] % groups:
             raise DSV4ValueError.of("wo_a", f"a first dim divisible by G={groups}", list(wo_a.shape))
         _check_shape("wo_b", wo_b, (None, wo_a.shape[0]))
-        from dsv4.specs.formats import get_format
-
         fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
-        return kernels.output_projection(o, positions, cos_sin, wo_a.contiguous(), wo_b,
+        return kernels.output_projection(_packed_heads(o), _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
                                          fp8_activations=bool(fp8_activations),
-                                         rope_dim=get_format("fp8_ds_mla").rope_dim, fp8_block=fp8_block)
+                                         rope_dim=ROPE_DIM, fp8_block=fp8_block)
 
 
 def _interpreting() -> bool:

@@ -52,7 +52,8 @@ def _inverse_rope_kernel(o_ptr, stride_ot, stride_oh, positions, cos_sin, stride
 
 def inverse_rope(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *, rope_dim: int,
                  fp8_activations: bool, fp8_block: int) -> torch.Tensor:
-    """o [T,H,512] bf16 -> contiguous [T,H,512] bf16 with the rope dims rotated back at p."""
+    """o [T,H,512] bf16 with packed heads (stride(1) = 512: the head offset is int32) -> contiguous
+    [T,H,512] bf16 with the rope dims rotated back at p."""
     num_tokens, heads, dim = o.shape
     out = torch.empty((num_tokens, heads, dim), dtype=torch.bfloat16, device=o.device)
     if num_tokens:

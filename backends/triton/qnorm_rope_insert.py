@@ -122,12 +122,13 @@ def _qnorm_rope_insert_kernel(
 def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                       swa_cache: torch.Tensor, layout: LatentLayout, swa_slot_mapping: torch.Tensor,
                       *, eps: float, deepseek_qnorm: bool) -> torch.Tensor:
-    """Launch. q [T,H,512] bf16, kv [T,512] bf16, positions [T] int64, cos_sin [P,64] fp32.
+    """Launch. q [T,H,512] bf16 with packed heads (stride(1) = 512: the kernel's head offset is int32),
+    kv [T,512] bf16, positions [T] int64, cos_sin [P,64] fp32 (index tensors of unit stride).
 
-    Returns q_out [T,H,512] bf16; writes kv rows into ``swa_cache`` (layout ``layout``).
+    Returns q_out [T,H,512] bf16, contiguous; writes kv rows into ``swa_cache`` (layout ``layout``).
     """
     num_tokens, num_heads, dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q's strides may be odd
     if num_tokens == 0:
         return out
     bh = min(16 if INTERPRET else 8, next_pow2(num_heads))

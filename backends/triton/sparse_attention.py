@@ -400,9 +400,10 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      num_stages: int | None = None, split_probs: bool | None = None,
                      isolate_scores: bool | None = None, prefetch: int | None = None,
                      hopper: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch. q [T,H,D] bf16; indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32.
+    """Launch. q [T,H,D] bf16 with packed heads (stride(1) = D: the kernels' head offsets are int32);
+    indices [T,W] int32 global slots; lens [T] int32 (unit stride); sink [H] fp32.
 
-    Returns (out [T,H,D] bf16, lse [T,H] fp32). Inputs are assumed validated by the backend.
+    Returns (out [T,H,D] bf16 contiguous, lse [T,H] fp32). Inputs are assumed validated by the backend.
     The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``;
     ``split_probs`` forces (or disables) the hi/lo probability split of fp32-probability profiles,
     which is on by default wherever the dots take bf16 operands; ``isolate_scores`` and ``prefetch``
@@ -411,7 +412,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     keyword is given, False never, True always (RuntimeError with the reason where it cannot).
     """
     num_tokens, num_heads, dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q's strides may be odd
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0:
         return out, lse

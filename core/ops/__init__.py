@@ -48,6 +48,7 @@ from dsv4.ops.validate import (
     value_checks_enabled,
 )
 from dsv4.registry import get_registry
+from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import DSV4ValueError
 
 __all__ = [
@@ -300,6 +301,8 @@ def _slots_in_cache(name: str, slots: torch.Tensor, format_name: str, cache: tor
 def _cos_sin(cos_sin: torch.Tensor) -> None:
     check_dtype("cos_sin", cos_sin, torch.float32, torch.float64)
     check_rank("cos_sin", cos_sin, 2)
+    if cos_sin.shape[1] != ROPE_DIM:  # SPEC §1: every rotation is over the last ROPE_DIM dims
+        raise DSV4ValueError.of("cos_sin", f"shape [P, {ROPE_DIM}] (the rope dims)", f"shape {tuple(cos_sin.shape)}")
 
 
 def _indices(name: str, indices: torch.Tensor, lens: torch.Tensor | None, lens_name: str, num_tokens: int) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from dsv4.ops.validate import check_positions_range
+from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
 # SPEC §1: dims fixed by the kernels (these are dims, not byte counts).
@@ -90,12 +91,12 @@ def check_dim(name: str, t: torch.Tensor, ndim: int, described: str) -> None:
 
 
 def check_positions(positions: torch.Tensor, num_tokens: int, cos_sin: torch.Tensor) -> None:
-    """positions: ``[T] int64`` within ``[0, cos_sin.shape[0])``; cos_sin a 2-D float table."""
+    """positions: ``[T] int64`` within ``[0, cos_sin.shape[0])``; cos_sin a float ``[P, ROPE_DIM]`` table."""
     check_int("positions", positions, torch.int64)
     check_shape("positions", positions, (num_tokens,))
     check_float("cos_sin", cos_sin, (torch.float32, torch.float64))
-    if cos_sin.dim() != 2 or cos_sin.shape[1] % 2:
-        raise DSV4ValueError.of("cos_sin", "shape [P, rope_dim] with rope_dim even", list(cos_sin.shape))
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != ROPE_DIM:  # SPEC §1: the rope dims are fixed
+        raise DSV4ValueError.of("cos_sin", f"shape [P, {ROPE_DIM}] (the rope dims)", list(cos_sin.shape))
     check_positions_range(positions, cos_sin.shape[0])
 
 

@@ -175,3 +175,34 @@ def test_output_projection_names_wo_a_when_its_rows_do_not_split_into_groups():
     bad_b = torch.zeros(wo_b.shape[0], 3, dtype=wo_b.dtype)
     with pytest.raises(DSV4ValueError, match=r"wo_a: expected 2 groups of rows .*got shape \(3, "):
         ops.output_projection(o, positions, cos_sin, bad_a, bad_b, **kwargs)
+
+
+_COS_SIN_ARG = {"qnorm_rope_insert": 3, "compress_insert": 8, "indexer_q": 3, "output_projection": 2}
+
+
+@pytest.mark.parametrize("op", sorted(_COS_SIN_ARG))
+@pytest.mark.parametrize("width", [32, 128])
+def test_cos_sin_of_another_width_is_refused_at_every_entry(monkeypatch, op, width):
+    """Every rotation is over the last ROPE_DIM (64) dims (SPEC §1): a [P, 32] or [P, 128] table is refused
+    by dsv4.ops before any backend runs, and by the reference backend called directly; nothing is written."""
+    from dsv4.backends.reference import ReferenceBackend
+    from dsv4.ops import library
+
+    prepared = prepare(_CASES[op])
+    args, kwargs = prepared.steps[0]
+    table = args[_COS_SIN_ARG[op]]
+    wrong = torch.cat([table, table], 1) if width == 128 else table[:, :32]
+    args = args[:_COS_SIN_ARG[op]] + (wrong,) + args[_COS_SIN_ARG[op] + 1:]
+    before = [args[index].clone() for index, _fmt in prepared.caches.values()]
+
+    def reached(*_args, **_kwargs):
+        raise AssertionError(f"{op} reached a backend with cos_sin {tuple(wrong.shape)}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(library, "run_backend", reached)
+        with pytest.raises(DSV4ValueError, match=r"cos_sin: expected shape \[P, 64\]"):
+            getattr(ops, op)(*args, **kwargs, backend="reference")
+    with pytest.raises(DSV4ValueError, match=r"cos_sin: expected shape \[P, 64\]"):
+        getattr(ReferenceBackend(), op)(*args, **kwargs)
+    for (index, _fmt), cache in zip(prepared.caches.values(), before):
+        assert torch.equal(args[index].view(torch.uint8), cache.view(torch.uint8))

@@ -1,0 +1,276 @@
+"""TritonBackend's wrappers (backends/triton/backend.py): what the kernels are given.
+
+Kernels read a [T] index tensor as ``ptr + t`` and a block-table row as ``ptr + row * stride(0) + page``,
+so a strided view must reach them copied. Each test runs one op twice, on strided views and on
+contiguous copies of the same values, and wants the same bytes out (outputs and caches). Then
+head-major q / o, and cos_sin tables of another width than the rope dims (refused, nothing written).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_helpers import cos_sin_table, poisoned_like
+from dsv4.backends.triton import TritonBackend
+from dsv4.codecs import get_codec
+from dsv4.specs.errors import DSV4ValueError
+
+
+def _column(values: torch.Tensor, junk: int) -> torch.Tensor:
+    """``values`` [T] as column 0 of a [T, 2] tensor whose column 1 holds ``junk`` (stride (2,)): a kernel
+    that reads it as contiguous reads ``junk`` at every odd t. ``junk`` is a legal value (a position in the
+    table, a -1 slot, request 0, a zero length), so the wrong read stays inside every buffer."""
+    assert values.dim() == 1
+    strided = torch.stack([values, torch.full_like(values, junk)], 1)[:, 0]
+    assert strided.stride() == (2,) and torch.equal(strided, values)
+    return strided
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_qnorm_rope_insert_strided_positions_and_slots() -> None:
+    torch.manual_seed(0)
+    num_tokens, heads = 4, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    kv = torch.randn(num_tokens, 512).to(torch.bfloat16)
+    positions = torch.tensor([5, 6, 7, 8])
+    slots = torch.tensor([3, 0, 2, 1])
+    cos_sin = cos_sin_table(16)
+    cache = poisoned_like(get_codec("fp8_ds_mla").allocate(1, 16))
+    expected_cache = cache.clone()
+    kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
+    got = TritonBackend().qnorm_rope_insert(q, kv, _column(positions, 0), cos_sin, cache, _column(slots, -1), **kw)
+    want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
+    assert torch.equal(got, want)
+    assert torch.equal(_bytes(cache), _bytes(expected_cache))
+
+
+def _compressor_call(positions, token_request, table, ratio, state_block, out_block):
+    """Slot mappings of ``positions`` through ``table`` (state) and a fixed compressed-page table."""
+    out_table = torch.arange(4).view(2, 2)
+    state_slots = table[token_request.long(), positions // state_block].long() * state_block \
+        + positions % state_block
+    entry = positions // ratio
+    out_slots = torch.where((positions + 1) % ratio == 0,
+                            out_table[token_request.long(), entry // out_block] * out_block + entry % out_block, -1)
+    return state_slots, out_slots.long()
+
+
+def _compress_twice(strided_vectors: bool, strided_table: bool) -> None:
+    """Two requests: a 15-token prefill each, then one decode token each that closes a block whose window
+    is read back from the state rows (the state-pool launch, which reads the block table). Run once on
+    strided arguments, once on contiguous copies; state and compressed cache bytes must be equal."""
+    torch.manual_seed(0)
+    ratio, head_dim, out_format = 4, 128, "indexer_fp8"
+    width, state_block, out_block, pages = 4 * head_dim, 8, 4, 4
+    wide = torch.randperm(4 * pages).view(2, 2 * pages).to(torch.int32)
+    table = wide[:, ::2] if strided_table else wide[:, ::2].contiguous()
+    ape, weight, cos_sin = torch.randn(ratio, 2 * head_dim), torch.rand(head_dim) + 0.5, cos_sin_table(64)
+    state = torch.randn(4 * pages, state_block, width)
+    out_cache = poisoned_like(get_codec(out_format).allocate(4, out_block))
+    expected_state, expected_out, initial_out = state.clone(), out_cache.clone(), out_cache.clone()
+    kw = {"ratio": ratio, "head_dim": head_dim, "out_format": out_format, "profile": "vllm", "eps": 1e-6}
+    steps = [(torch.arange(15).repeat(2), torch.arange(2, dtype=torch.int32).repeat_interleave(15)),
+             (torch.tensor([15, 15]), torch.tensor([0, 1], dtype=torch.int32))]
+    for positions, token_request in steps:
+        state_slots, out_slots = _compressor_call(positions, token_request, table, ratio, state_block, out_block)
+        kv_score = torch.randn(positions.numel(), width)
+        if strided_vectors:
+            args = (_column(positions, 0), _column(token_request, 0), _column(state_slots, -1),
+                    _column(out_slots, -1))
+        else:
+            args = (positions, token_request, state_slots, out_slots)
+        TritonBackend().compress_insert(kv_score, *args[:2], state, table, args[2], ape, weight, cos_sin,
+                                        out_cache, args[3], **kw)
+        TritonBackend().compress_insert(kv_score, positions, token_request, expected_state, table.contiguous(),
+                                        state_slots, ape, weight, cos_sin, expected_out, out_slots, **kw)
+    assert torch.equal(state, expected_state)
+    assert torch.equal(_bytes(out_cache), _bytes(expected_out))
+    assert not torch.equal(_bytes(out_cache), _bytes(initial_out))  # blocks were written
+
+
+def test_compress_insert_strided_vectors() -> None:
+    _compress_twice(strided_vectors=True, strided_table=False)
+
+
+def test_compress_insert_strided_block_table() -> None:
+    """A column slice ``wide[:, ::2]`` (stride (8, 2)) as state_block_table: the state-pool launch reads the
+    decode block's window through it."""
+    _compress_twice(strided_vectors=False, strided_table=True)
+
+
+def test_indexer_q_strided_positions() -> None:
+    torch.manual_seed(0)
+    index_q = (torch.randn(3, 16, 128) * 3).to(torch.bfloat16)
+    weights = torch.randn(3, 16).to(torch.bfloat16)
+    positions = torch.tensor([9, 30, 17])
+    cos_sin = cos_sin_table(32)
+    got = TritonBackend().indexer_q(index_q, weights, _column(positions, 0), cos_sin, profile="vllm")
+    want = TritonBackend().indexer_q(index_q, weights, positions, cos_sin, profile="vllm")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _indexer_keys(block: int):
+    codec = get_codec("indexer_fp8")
+    wide = torch.randperm(8).view(2, 4).to(torch.int32)
+    cache = codec.allocate(8, block)
+    codec.write_rows(cache, torch.arange(8 * block), torch.randn(8 * block, 128))
+    return cache, wide
+
+
+def test_indexer_topk_strided_positions_requests_and_table() -> None:
+    torch.manual_seed(0)
+    cache, wide = _indexer_keys(block=8)
+    positions = torch.tensor([60, 45, 50, 33])
+    token_request = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    q = torch.randn(4, 16, 128).to(torch.bfloat16)
+    w = torch.randn(4, 16)
+    kw = {"topk": 4, "key_format": "indexer_fp8"}
+    got = TritonBackend().indexer_topk(q, w, _column(positions, 0), _column(token_request, 0), cache,
+                                       wide[:, ::2], **kw)
+    want = TritonBackend().indexer_topk(q, w, positions, token_request, cache, wide[:, ::2].contiguous(), **kw)
+    assert torch.equal(got, want) and bool((want >= 0).all())
+
+
+def test_sparse_attention_strided_lens() -> None:
+    torch.manual_seed(0)
+    codec = get_codec("fp8_ds_mla")
+    swa, extra = codec.allocate(2, 16), codec.allocate(2, 16)
+    codec.write_rows(swa, torch.arange(32), torch.randn(32, 512))
+    codec.write_rows(extra, torch.arange(32), torch.randn(32, 512))
+    num_tokens, heads = 3, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 32, (num_tokens, 16), dtype=torch.int32)
+    extra_idx = torch.randint(0, 32, (num_tokens, 16), dtype=torch.int32)
+    swa_lens = torch.tensor([16, 3, 9], dtype=torch.int32)
+    extra_lens = torch.tensor([5, 16, 11], dtype=torch.int32)
+    sink = torch.randn(heads)
+    kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek"}
+    got = TritonBackend().sparse_attention(q, swa, swa_idx, _column(swa_lens, 0), extra, extra_idx,
+                                           _column(extra_lens, 0), sink, **kw)
+    want = TritonBackend().sparse_attention(q, swa, swa_idx, swa_lens, extra, extra_idx, extra_lens, sink, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_output_projection_strided_positions() -> None:
+    torch.manual_seed(0)
+    o = torch.randn(3, 4, 512).to(torch.bfloat16)
+    positions = torch.tensor([7, 12, 3])
+    wo_a = (torch.randn(32, 4 * 512) * 0.02).to(torch.bfloat16)
+    wo_b = (torch.randn(48, 32) * 0.2).to(torch.bfloat16)
+    cos_sin = cos_sin_table(16)
+    got = TritonBackend().output_projection(o, _column(positions, 0), cos_sin, wo_a, wo_b, fp8_activations=False)
+    want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=False)
+    assert torch.equal(got, want)
+
+
+# -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
+# Kernels address a head as head * stride(1) in int32, which overflows for such a layout once
+# (H-1)*T*512 >= 2**31 (a GPU-sized tensor); here: the launcher must get packed heads, outputs must come
+# out contiguous, and the values must be those of the contiguous call.
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    num_tokens, _, dim = x.shape
+    y = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert y.stride() == (dim, num_tokens * dim, 1) and torch.equal(y, x)
+    return y
+
+
+def _launcher_q_strides(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
+    """Record the strides of the first argument (q / o) of each call of ``module.name``."""
+    real, seen = getattr(module, name), []
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.stride())
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
+    from dsv4.backends.triton import qnorm_rope_insert as kernels
+
+    torch.manual_seed(0)
+    num_tokens, heads = 3, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    kv = torch.randn(num_tokens, 512).to(torch.bfloat16)
+    positions, slots, cos_sin = torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]), cos_sin_table(16)
+    cache = get_codec("fp8_ds_mla").allocate(1, 16)
+    expected_cache = cache.clone()
+    kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
+    seen = _launcher_q_strides(monkeypatch, kernels, "qnorm_rope_insert")
+    got = TritonBackend().qnorm_rope_insert(_head_major(q), kv, positions, cos_sin, cache, slots, **kw)
+    want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
+    assert seen[0][1:] == (512, 1)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(_bytes(cache), _bytes(expected_cache))
+
+
+def test_sparse_attention_head_major_q(monkeypatch) -> None:
+    """One split (the kernel's own epilogue) and three (partials merged by the combine kernel)."""
+    from dsv4.backends.triton import sparse_attention as kernels
+
+    torch.manual_seed(0)
+    codec = get_codec("fp8_ds_mla")
+    swa = codec.allocate(2, 16)
+    codec.write_rows(swa, torch.arange(32), torch.randn(32, 512))
+    num_tokens, heads = 3, 4
+    q = torch.randn(num_tokens, heads, 512).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 32, (num_tokens, 32), dtype=torch.int32)
+    swa_lens = torch.tensor([32, 3, 20], dtype=torch.int32)
+    sink = torch.randn(heads)
+    seen = _launcher_q_strides(monkeypatch, kernels, "sparse_attention")
+    for splits in (1, 3):
+        kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek", "num_splits": splits}
+        got = TritonBackend().sparse_attention(_head_major(q), swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        want = TritonBackend().sparse_attention(q, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        assert seen[-2][1:] == (512, 1)
+        assert got[0].is_contiguous() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_output_projection_head_major_o(monkeypatch) -> None:
+    from dsv4.backends.triton import output_projection as kernels
+
+    torch.manual_seed(0)
+    o = torch.randn(3, 4, 512).to(torch.bfloat16)
+    positions, cos_sin = torch.tensor([7, 12, 3]), cos_sin_table(16)
+    wo_a = (torch.randn(64, 2 * 512) * 0.02).to(torch.bfloat16)
+    wo_b = (torch.randn(48, 64) * 0.2).to(torch.bfloat16)
+    seen = _launcher_q_strides(monkeypatch, kernels, "output_projection")
+    got = TritonBackend().output_projection(_head_major(o), positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    assert seen[0][1:] == (512, 1)
+    assert torch.equal(got, want)
+
+
+# -- cos_sin of another width than SPEC §1's 64 rope dims ---------------------------------------------------
+@pytest.mark.parametrize("width", [32, 128])
+def test_cos_sin_of_another_width_is_refused(width: int) -> None:
+    """Every op that rotates refuses a [P, 32] or [P, 128] table before launching: before, indexer_q,
+    output_projection and the indexer-key compress_insert took the table's width as the rope width."""
+    torch.manual_seed(0)
+    wrong = cos_sin_table(64).repeat(1, 2) if width == 128 else cos_sin_table(64)[:, :32].contiguous()
+    positions = torch.tensor([3, 7])
+    backend = TritonBackend()
+    match = r"cos_sin: expected shape \[\*, 64\]"
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.indexer_q(torch.randn(2, 16, 128).to(torch.bfloat16), torch.randn(2, 16), positions, wrong,
+                          profile="vllm")
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.output_projection(torch.randn(2, 4, 512).to(torch.bfloat16), positions, wrong,
+                                  torch.randn(32, 4 * 512).to(torch.bfloat16), torch.randn(48, 32).to(torch.bfloat16),
+                                  fp8_activations=False)
+    cache = get_codec("fp8_ds_mla").allocate(1, 16)
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.qnorm_rope_insert(torch.randn(2, 4, 512).to(torch.bfloat16), torch.randn(2, 512).to(torch.bfloat16),
+                                  positions, wrong, cache, torch.tensor([0, 1]), kv_format="fp8_ds_mla", eps=1e-6)
+    state = torch.randn(2, 8, 512)
+    out_cache = poisoned_like(get_codec("indexer_fp8").allocate(1, 4))
+    state_before, out_before = state.clone(), out_cache.clone()
+    with pytest.raises(DSV4ValueError, match=match):
+        backend.compress_insert(torch.randn(2, 512), positions, torch.zeros(2, dtype=torch.int32), state,
+                                torch.tensor([[0]], dtype=torch.int32), positions, torch.randn(4, 256),
+                                torch.rand(128) + 0.5, wrong, out_cache, torch.tensor([-1, 1]), ratio=4,
+                                head_dim=128, out_format="indexer_fp8", profile="vllm", eps=1e-6)
+    assert torch.equal(state, state_before) and torch.equal(_bytes(out_cache), _bytes(out_before))
