@@ -33,6 +33,7 @@ from dsv4.conformance.cases import (
     returned_dtypes,
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
+from dsv4.conformance.input_guard import InputGuard
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
 from dsv4.conformance.placement import FAR_GIB, far_pages
 from dsv4.conformance.tolerances import tolerance_for
@@ -160,9 +161,11 @@ def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict
 
 def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
                     *, lse_required: bool = True, check_dtypes: bool = True) -> dict[str, dict[str, Any]]:
-    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. With
-    ``check_dtypes`` (a backend's outputs) a return value of another dtype than the op's contract fails
-    (``returned_dtypes``); golden verification compares float64 ideals and turns it off."""
+    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. ``prepared``: the
+    case's inputs as generated, not the copy the backend ran on (a check that reads an argument, as top-k
+    reads ``positions``, must not see what the backend did to it). With ``check_dtypes`` (a backend's
+    outputs) a return value of another dtype than the op's contract fails (``returned_dtypes``); golden
+    verification compares float64 ideals and turns it off."""
     from dsv4.codecs import get_codec
 
     op = prepared.case.op
@@ -196,31 +199,35 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
     return metrics
 
 
-def slots_metric(backend: Backend, prepared: Prepared, local: torch.Tensor) -> dict[str, Any]:
-    """``backend.indexer_topk_slots`` on the case's arguments against the backend's own ``indexer_topk``
-    output ``local`` converted by ``dsv4.metadata.topk_local_to_global``: ``[slots | lens]`` must be equal
-    (a fused conversion, as the Triton backend's, is checked here on every device the suite runs on).
+def slots_metric(backend: Backend, prepared: Prepared, run: Prepared, local: torch.Tensor) -> dict[str, Any]:
+    """``backend.indexer_topk_slots`` on ``run``'s arguments against the backend's own ``indexer_topk``
+    output ``local`` converted by ``dsv4.metadata.topk_local_to_global`` from the untouched ``prepared``:
+    ``[slots | lens]`` must be equal (a fused conversion, as the Triton backend's, is checked here on every
+    device the suite runs on).
 
     The compressed group's table is the key block table with every third page unallocated (-1) and its
     second half cut off, so that entries on missing pages and past the table (-1 slots) occur. The two calls
     must pick the same entries: the suite asks a backend's top-k to be deterministic on equal inputs."""
     from dsv4.metadata import topk_local_to_global
 
-    args, kwargs = prepared.steps[0]
+    args, kwargs = run.steps[0]
+    inputs = prepared.steps[0][0]
     block_size = prepared.check["block_size"]
-    table = args[5].clone()
+    table = inputs[5].clone()
     table[:, 1::3] = -1
     table = table[:, : max(1, table.shape[1] // 2)]
     tol = tolerance_for("indexer_topk", "slots", prepared.case.profile)
     try:
-        slots, lens = backend.indexer_topk_slots(*args, table, compressed_block_size=block_size, **kwargs)
+        slots, lens = backend.indexer_topk_slots(*args, table.to(args[5].device), compressed_block_size=block_size,
+                                                 **kwargs)
     except Exception as exc:  # noqa: BLE001 - the metric's outcome
         return {"passed": False, "reason": f"indexer_topk_slots raised {type(exc).__name__}: {exc}"[:500],
                 "tolerance": tol.as_dict()}
-    want_slots, want_lens = topk_local_to_global(local.to(table.device), args[3], table, block_size)
+    want_slots, want_lens = topk_local_to_global(local.cpu(), inputs[3].cpu(), table.cpu(), block_size)
     if slots.dtype != torch.int32 or lens.dtype != torch.int32:
         return _wrong_dtype(slots if slots.dtype != torch.int32 else lens, torch.int32, "indexer_topk_slots")
-    m = compare_tensor(torch.cat([slots, lens[:, None]], 1), torch.cat([want_slots, want_lens[:, None]], 1), tol)
+    m = compare_tensor(torch.cat([slots, lens[:, None]], 1).cpu(), torch.cat([want_slots, want_lens[:, None]], 1),
+                       tol)
     m["tolerance"] = tol.as_dict()
     return m
 
@@ -265,14 +272,15 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
     from dsv4.conformance.placement import place_far
 
     try:
-        far = place_far(prepare_to(prepared, device), gib)  # both copy what they change
+        far = place_far(prepare_to(clone_prepared(prepared), device), gib)  # the backend gets copies only
+        guard = InputGuard(far)
         actual = execute(far, getattr(backend, prepared.case.op))
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
             return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
                             "reason": f"with the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
-    metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
+    metrics = {**compare_outputs(prepared, actual, expected, lse_required=lse_required), **guard.metrics()}
     for name, m in metrics.items():
         if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
             m["reason"] = f"with the {far_pages(gib)} (32-bit page arithmetic?): {m['reason']}"
@@ -309,11 +317,13 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
             from dsv4.conformance.cases import prepare_to
 
             run = prepare_to(run, device)
+        guard = InputGuard(run)
         actual = execute(run, getattr(backend, case.op))
         lse_required = _lse_required(backend, case)
-        row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
+        row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required)
         if case.op == "indexer_topk":
-            row.metrics["slots"] = slots_metric(backend, run, actual["topk"])
+            row.metrics["slots"] = slots_metric(backend, prepared, run, actual["topk"])
+        row.metrics.update(guard.metrics())
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
         row.outcome = _outcome(row.metrics)
@@ -403,13 +413,14 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 run_a = prepare_to(clone_prepared(prepared), device)
                 run_b = prepare_to(clone_prepared(prepared), device)
                 out_a = execute(run_a, getattr(a, case.op))
+                guard = InputGuard(run_b)
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
-                row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
+                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics()}
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)
-                    row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
+                    row.metrics["topk_" + backend_a] = compare_outputs(prepared, out_a, out_a)["topk"]
                 else:  # B's dtypes are checked above; A's here
                     for name, want in returned_dtypes(run_a).items():
                         if name in out_a and out_a[name].dtype != want:
