@@ -4,8 +4,9 @@ Every output of every op has one :class:`Tolerance`, looked up by ``(op, output)
 passes when ``|a - e| <= abs_tol`` OR ``|a - e| <= rel_tol * |e|`` (FlashMLA's rule); an output
 passes when the fraction of passing elements is at least ``min_pass_fraction``, the cosine
 difference ``1 - 2 sum(a e) / (sum a^2 + sum e^2)`` is at most ``cos_diff``, and NaN/Inf
-positions agree. Caches (``kind == "cache"``) must be byte-exact, or, where bytes differ, every
-dequantized element within one e4m3 ULP of the reference (SPEC §13). Top-k outputs use the
+positions agree. Caches (``kind == "cache"``) must be byte-exact, or, where bytes differ, every padding
+byte still equal and every dequantized element within one ULP of the type its format stores it in
+(:func:`cache_element_rule`; SPEC §13). Top-k outputs use the
 tie-aware set rule (``kind == "topk"``, ``score_slack`` of the row's score range).
 """
 from __future__ import annotations
@@ -13,10 +14,37 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "Tolerance", "tolerance_for"]
+__all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "CacheElementRule", "Tolerance",
+           "cache_element_rule", "tolerance_for"]
 
 # SPEC §13: "within one e4m3 ULP": e4m3 has 3 mantissa bits, so one ULP is 2^(floor(log2|x|) - 3).
 E4M3_MANTISSA_BITS = 3
+
+
+@dataclass(frozen=True)
+class CacheElementRule:
+    """How far a dequantized cache element may sit from the reference's where the bytes differ: one ULP,
+    ``2^(floor(log2|e|) - mantissa_bits)``, but at least ``floor_of_row_amax`` times the row's amax."""
+
+    mantissa_bits: int
+    floor_of_row_amax: float
+
+
+# SPEC §13 allows a differing writer one e4m3 ULP: room for another block scale or rounding of a quantized
+# field. A zero or subnormal reference value gets 2^-17 of the row's amax (a UE8M0 block scale is about
+# amax/448, e4m3's subnormal step 2^-9 of it). Every stored type other than bf16 (e2m1, int8 codes) keeps
+# this rule.
+_QUANTIZED = CacheElementRule(E4M3_MANTISSA_BITS, 2.0 ** -17)
+# What a format stores as bf16 (the 64 RoPE dims of fp8_ds_mla / ascend_a5, every element of bf16 /
+# ascend_bf16 rows) has no scale to choose: SPEC §6.6 fixes its one rounding (fp32 math, bf16 round), so it
+# may differ by one bf16 ULP (7 mantissa bits: an fp32 result on a rounding boundary, another fp32 operation
+# order), never by an e4m3 ULP (2^4 bf16 ULPs: a value 6% off would pass).
+_BF16 = CacheElementRule(7, 0.0)
+
+
+def cache_element_rule(element_type: str) -> CacheElementRule:
+    """The rule for a cache element stored as ``element_type`` (``dsv4.codecs`` ``Codec.row_elements``)."""
+    return _BF16 if element_type == "bf16" else _QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -42,7 +70,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("sparse_attention", "out"): Tolerance(abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6,
                                            source="SPEC §13 sparse attention out"),
     ("sparse_attention", "lse"): Tolerance(abs_tol=1e-6, rel_tol=8 / 65536, source="SPEC §13 sparse attention lse"),
-    # SPEC §13 cache bytes: byte-exact, or within one e4m3 ULP dequantized.
+    # SPEC §13 cache bytes: byte-exact, or within one ULP dequantized (cache_element_rule), padding equal.
     ("qnorm_rope_insert", "swa_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
     ("compress_insert", "out_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
     # Compressor state is fp32 `kv | score + ape` (SPEC §5.1): one fp32 add, so exact up to 1 ULP.
