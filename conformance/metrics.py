@@ -101,9 +101,10 @@ def _element_rules(codec: Any, rows: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | None, tol: Tolerance) -> dict[str, Any]:
-    """Byte-exact check of a cache storage; where bytes differ, the dequantized rows of every slot must agree
-    within one ULP of the type each element is stored in (``cache_element_rule``: e4m3 for quantized
-    fields, bf16 for bf16 ones), with the same NaN positions (SPEC §13)."""
+    """Byte-exact check of a cache storage; where bytes differ, every padding byte (a byte format's bytes
+    outside its fields: scale pad, record tails, page tail) must still be equal, and the dequantized rows
+    of every slot must agree within one ULP of the type each element is stored in (``cache_element_rule``:
+    e4m3 for quantized fields, bf16 for bf16 ones), with the same NaN positions (SPEC §13)."""
     if tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype:
         return {"passed": False, "byte_exact": False,
                 "reason": f"storage {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"}
@@ -122,6 +123,13 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
         return metrics
     block = codec.block_size_of(expected)
     reasons = []
+    if hasattr(codec, "field_byte_mask"):  # SPEC §9.1: pad bytes are written 0, the page tail left alone
+        padding = differs & ~codec.field_byte_mask(block, expected.shape[1])
+        metrics["padding_bytes_differing"] = int(padding.sum())
+        if padding.any():
+            where = _where(int(padding.flatten().nonzero()[0]), a_bytes.shape)
+            reasons.append(f"{metrics['padding_bytes_differing']} padding bytes differ (first at [block, byte] "
+                           f"{where}): SPEC §9.1: pad bytes are written 0, the page tail is never touched")
     slots = torch.arange(expected.shape[0] * block, dtype=torch.int64)
     a = codec.read_rows(actual.detach().cpu(), slots).double()
     e = codec.read_rows(expected.detach().cpu(), slots).double()

@@ -213,6 +213,13 @@ class ByteCodec(Codec):
             raise CacheLayoutError.of("pages", f"last dim >= {self.format.page_bytes(block)}", pages.shape[-1])
         return self.to_fields([view.contiguous() for view in self.section_views(pages, block)])
 
+    def field_byte_mask(self, block_size: int, page_stride: int | None = None) -> Tensor:
+        """bool ``[page_stride]``: True where a page byte belongs to a field (what ``unpack_page`` and
+        ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail."""
+        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
+        probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)  # every field byte survives the round trip
+        return self.pack_page(self.unpack_page(probe, block_size), block_size, stride)[0] != 0
+
     def pack_page(self, fields: dict[str, Tensor], block_size: int, page_stride: int | None = None) -> Tensor:
         """Inverse of :meth:`unpack_page`: uint8 ``[..., page_stride]`` with every padding byte 0."""
         sections = self.from_fields(fields)

@@ -1,5 +1,5 @@
 """Cache comparison where bytes differ: one ULP of the type each element is stored in (e4m3 for quantized
-fields, bf16 for bf16 ones)."""
+fields, bf16 for bf16 ones), and padding bytes (scale pad, page tail) equal to the reference's."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,7 @@ from dsv4.conformance.metrics import compare_cache
 from dsv4.conformance.runner import run_suite
 from dsv4.conformance.tolerances import tolerance_for
 from dsv4.registry import Registry
+from dsv4.specs.formats import get_format
 
 TOL = tolerance_for("qnorm_rope_insert", "swa_cache")
 
@@ -37,6 +38,28 @@ class BF16Scaled(ReferenceBackend):
         out = super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping,
                                         kv_format=kv_format, eps=eps, profile=profile)
         _rescale(swa_cache, swa_slot_mapping, kv_format, 1.06)
+        return out
+
+
+class PaddingWritten(ReferenceBackend):
+    """fp8_ds_mla: writes 0xAB into the scale pad byte of each written slot (``pad``) or into the page
+    tail past the rows (``tail``); every field byte stays the reference's."""
+
+    name = "padding-written"
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, *, kv_format, eps,
+                          profile="deepseek"):
+        out = super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping,
+                                        kv_format=kv_format, eps=eps, profile=profile)
+        fmt, block = get_format(kv_format), get_codec(kv_format).block_size_of(swa_cache)
+        if self.where == "pad":
+            for slot in swa_slot_mapping[swa_slot_mapping >= 0].tolist():
+                swa_cache[slot // block, fmt.scale_offset(block, slot % block) + fmt.scale_bytes] = 0xAB
+        else:
+            swa_cache[:, fmt.page_bytes(block):] = 0xAB
         return out
 
 
@@ -83,3 +106,12 @@ def test_one_ulp_of_the_stored_type_passes_and_more_fails(kv_format):
     if kv_format == "fp8_ds_mla":  # a quantized element keeps SPEC §13's e4m3 ULP
         nope = int(rows[0, :64].abs().argmax())  # the block's amax: its scale stays
         assert compare_cache(_nudged(codec, rows, nope, -1, 3), reference, codec, TOL)["passed"] is True
+
+
+@pytest.mark.parametrize("where", ["pad", "tail"])
+def test_written_padding_fails_though_every_field_is_right(where):
+    rows = _run(PaddingWritten(where), "fp8_ds_mla and deepseek")
+    assert rows and all(r.outcome == "failed" for r in rows)
+    cache = rows[0].metrics["swa_cache"]
+    assert cache["padding_bytes_differing"] == cache["bytes_differing"] > 0
+    assert cache["dequantized_within_one_ulp"] is True and "padding bytes differ" in cache["reason"]
