@@ -2,8 +2,9 @@
 
 Outcomes per (backend, case): ``passed``, ``failed`` (numerics), ``error`` (an exception),
 ``unsupported`` (the backend's own ``not_supported_reasons``), ``skipped`` (environment: the
-backend is not available here). A row matching the backend's ``expected_failures`` keeps its
-outcome and carries the reason in ``expected_failure``; it does not fail the run.
+backend is not available here). A failed row within the backend's ``expected_failures`` entry keeps its
+outcome and carries the reason in ``expected_failure``; it does not fail the run (``expectations``: never
+an error, and never past the entry's metric bounds).
 
 Expected outputs come from the stored goldens when they match this machine's inputs, else from
 the reference backend run live (``expected_source`` says which). Differential mode
@@ -13,7 +14,6 @@ metrics ``<output>@far``, or ``run@far`` where that run raised (failed) or found
 """
 from __future__ import annotations
 
-import fnmatch
 import time
 import traceback
 import warnings
@@ -31,6 +31,13 @@ from dsv4.conformance.cases import (
     execute,
     prepare,
     returned_dtypes,
+)
+from dsv4.conformance.expectations import (
+    expectation,
+    expected_failure_entry,
+    expected_failure_for,
+    unexpected_failures,
+    unmatched_expected_failures,
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.input_guard import InputGuard
@@ -77,7 +84,7 @@ class ResultRow:
 
     @property
     def counts_as_failure(self) -> bool:
-        return self.outcome in ("failed", "error") and self.expected_failure is None
+        return self.outcome in ("failed", "error") and self.expectation != "xfail"
 
     @property
     def expectation(self) -> str | None:
@@ -120,17 +127,6 @@ def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
     return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
 
 
-def expectation(outcome: str, expected_failure: str | None) -> str | None:
-    """``"xfail"``: a row listed in the backend's ``expected_failures`` that failed or errored (reported, not
-    a failure); ``"xpass"``: listed and passed (reported, not a failure); None otherwise. The one rule that
-    the table, the JSON summary and JUnit share."""
-    if not expected_failure:
-        return None
-    if outcome in ("failed", "error"):
-        return "xfail"
-    return "xpass" if outcome == "passed" else None
-
-
 def first_failure(op: str, metrics: dict[str, Any]) -> str:
     """``op.output: reason; max abs err E at [where]`` of the first failing metric, or ""."""
     for name, m in metrics.items():
@@ -138,19 +134,6 @@ def first_failure(op: str, metrics: dict[str, Any]) -> str:
             where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
             return f"{op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
     return ""
-
-
-def expected_failure_for(backend: Backend, case_id: str) -> str | None:
-    """The reason of the first ``expected_failures`` pattern (fnmatch) matching ``case_id``."""
-    for pattern, reason in backend.expected_failures.items():
-        if fnmatch.fnmatchcase(case_id, pattern):
-            return reason
-    return None
-
-
-def unmatched_expected_failures(backend: Backend, cases: Sequence[Case]) -> list[str]:
-    """Patterns of ``backend.expected_failures`` that match no case (stale entries)."""
-    return [p for p in backend.expected_failures if not any(fnmatch.fnmatchcase(c.id, p) for c in cases)]
 
 
 def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict[str, Any]:
@@ -293,8 +276,9 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
     """Run one case on one backend and compare it. With ``far`` a case with paged caches runs a second
     time with its pages past ``far_gib`` GiB of each cache (``placement.place_far``), against the same
     expected outputs; those metrics are named ``<output>@far``."""
+    entry = expected_failure_entry(backend, case.id)
     row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
-                    expected_failure=expected_failure_for(backend, case.id))
+                    expected_failure=entry.reason if entry else None)
     start = time.perf_counter()
     try:
         prepared = prepare(case)  # CPU inputs: the goldens' input hash is taken here
@@ -332,6 +316,16 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         row.reasons = [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
     finally:
         row.seconds = time.perf_counter() - start
+    if entry is not None and row.outcome in ("failed", "error"):
+        beyond = (unexpected_failures(entry, row.metrics) if row.outcome == "failed"
+                  else ["it raised: an exception is never an expected failure"])
+        if beyond:  # listed, but not this failure: it counts, and says why
+            row.expected_failure = None
+            note = f"listed as an expected failure ({entry.reason}), but {'; '.join(beyond)}"[:500]
+            if row.outcome == "error":
+                row.reasons.insert(1, note)  # after the exception's line, before its traceback
+            else:
+                row.metrics["expectation"] = {"passed": False, "reason": note}
     return row
 
 
