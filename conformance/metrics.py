@@ -72,6 +72,9 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     reasons = []
     if nan_mismatch or inf_mismatch:
         reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf)")
+    if tol.max_fail_of_block_amax is not None:
+        reasons += _failing_elements_capped(diff, torch.where(finite, e, torch.zeros_like(e)), ~element_ok, tol,
+                                            metrics)
     if pass_fraction < tol.min_pass_fraction:
         reasons.append(f"pass fraction {pass_fraction:.6f} < {tol.min_pass_fraction}")
     if tol.cos_diff is not None and not metrics["cos_diff"] < tol.cos_diff:  # SPEC §13: "< 5e-6"
@@ -80,6 +83,24 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     if reasons:
         metrics["reason"] = "; ".join(reasons)
     return metrics
+
+
+def _failing_elements_capped(diff: torch.Tensor, e: torch.Tensor, failing: torch.Tensor, tol: Tolerance,
+                             metrics: dict[str, Any]) -> list[str]:
+    """``tol.max_fail_of_block_amax``: every failing element off by at most that fraction of the amax of its
+    block (``tol.quant_block`` consecutive elements of ``e``); sets ``worst_fail_of_block_amax``."""
+    block = tol.quant_block or e.numel()
+    if e.numel() % block:
+        return [f"{e.numel()} elements do not split into quantization blocks of {block}"]
+    amax = e.abs().reshape(-1, block).amax(1, keepdim=True).expand(-1, block).reshape(e.shape)
+    ratio = torch.where(failing, diff / amax.clamp_min(1e-300), torch.zeros_like(diff))
+    metrics["worst_fail_of_block_amax"] = _num(float(ratio.max())) if ratio.numel() else 0.0
+    over = ratio > tol.max_fail_of_block_amax
+    if not over.any():
+        return []
+    where = _where(int(over.flatten().nonzero()[0]), e.shape)
+    return [(f"{int(over.sum())} elements off by more than {tol.max_fail_of_block_amax:.3g} of their block's "
+             f"amax (one quantization step), first at {where}")]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ tie-aware set rule (``kind == "topk"``, ``score_slack`` of the row's score range
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 __all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "CacheElementRule", "Tolerance",
@@ -57,6 +57,10 @@ class Tolerance:
     cos_diff: float | None = None
     min_pass_fraction: float = 1.0
     score_slack: float = 0.0
+    # an element outside abs/rel may be off by at most this fraction of its quantization block's amax (the
+    # expected values' amax over each ``quant_block`` consecutive elements): None, any amount
+    max_fail_of_block_amax: float | None = None
+    quant_block: int = 0
     source: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,6 +116,28 @@ PROFILE_TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
     ("sparse_attention", "out", "deepseek"): _BF16_PROBABILITIES,
     ("sparse_attention", "out", "vllm"): _BF16_PROBABILITIES,
 }
+
+
+# indexer_q: the 0.5% of elements outside abs/rel are boundary flips of the profile's q quantization (SPEC
+# §6.6), so each is off by one quantization step, never more. The largest step, as a fraction of the block's
+# (dequantized) amax A: e2m1 per 32, scale s = 2^ceil(log2(amax/6)), so A >= 3s and the top step (4 -> 6) is
+# 2s <= 2A/3; e4m3 per 128-vector, A >= 224s and the top step (256 -> 288) is 32s <= A/7; int8 per
+# 128-vector, A = 127s, one step s plus both sides' bf16 rounding of the product (2^-9 A each). A head
+# zeroed, or roped at the wrong position, is off by about A: it fails.
+def _indexer_q_step(profile: str) -> Tolerance:
+    from dsv4.specs.formats import get_format
+    from dsv4.specs.numerics import get_profile
+
+    numerics = get_profile(profile)
+    key = get_format(numerics.indexer_key_format)  # the same quantization as q's (SPEC §6.6)
+    block = getattr(key, "quant_block", key.row_dim)  # mxfp4: per 32; fp8, int8: one scale per vector
+    step = {"fp4": 2 / 3, "fp8": 1 / 7, "int8": 1 / 127 + 2.0 ** -8}[numerics.indexer_quant]
+    return replace(TOLERANCES[("indexer_q", "q")], max_fail_of_block_amax=step, quant_block=block,
+                   source=f"suite: quantized bf16, boundary flips on 0.5%, each within one {numerics.indexer_quant} "
+                          "step")
+
+
+PROFILE_TOLERANCES.update({("indexer_q", "q", p): _indexer_q_step(p) for p in ("deepseek", "vllm", "ascend")})
 
 
 def tolerance_for(op: str, output: str, profile: str | None = None) -> Tolerance:
