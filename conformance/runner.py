@@ -10,7 +10,9 @@ Expected outputs come from the stored goldens when they match this machine's inp
 the reference backend run live (``expected_source`` says which). Differential mode
 (:func:`run_differential`) compares two backends on fresh random inputs instead. In both, a case with
 paged caches runs a second time with its pages past 16 GiB of each cache (``placement.place_far``):
-metrics ``<output>@far``, or ``run@far`` where that run raised (failed) or found no memory (not run).
+metrics ``<output>@far``, or ``run@far`` where placing the far caches failed (failed) or found no memory
+for them (not run). The backend raising in the far run, out of memory included, is an ``error`` row that
+keeps the near metrics.
 """
 from __future__ import annotations
 
@@ -224,7 +226,14 @@ def _lse_required(backend: Backend, case: Case) -> bool:
 
 
 def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
+    if any(m.get("raised") for m in metrics.values()):  # the backend raised in the far run
+        return "error"
     return "failed" if any(m.get("passed") is False for m in metrics.values()) else "passed"
+
+
+def _raised(metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """The reasons of the metrics that record an exception of the backend (an ``error`` row's reasons)."""
+    return [m["reason"] for m in metrics.values() if m.get("raised")]
 
 
 FAR_NOT_RUN = "far run not possible here (no memory for the far caches): "
@@ -232,7 +241,8 @@ _NO_MEMORY_TEXT = ("can't allocate memory", "out of memory")
 
 
 def _no_memory(exc: BaseException) -> bool:
-    """An allocation that the machine cannot serve (host or device), not a bug."""
+    """An allocation that the machine cannot serve (host or device), not a bug: said only of the far caches
+    themselves, before the backend is called (an out-of-memory error inside the call is the backend's)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _NO_MEMORY_TEXT)
@@ -247,21 +257,26 @@ def far_not_run(metrics: dict[str, dict[str, Any]]) -> str:
 def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
                  lse_required: bool, near: dict[str, dict[str, Any]], gib: int) -> dict[str, dict[str, Any]]:
     """``prepared`` (unwritten CPU inputs) again with its pages placed ``gib`` GiB far on ``device``, compared
-    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches (or
-    for the backend beside them) is ``run@far`` not run (``passed`` None, see ``far_not_run``); any other
-    exception there is ``run@far`` failed, and the near metrics stay. A far metric that fails where
-    ``near``'s passed says so in its reason."""
+    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
+    ``run@far`` not run (``passed`` None, see ``far_not_run``); another exception while placing them is
+    ``run@far`` failed. An exception of the backend's call, out of memory included, is ``run@far`` with
+    ``raised`` (the row becomes an error; the near metrics stay). A far metric that fails where ``near``'s
+    passed says so in its reason."""
     from dsv4.conformance.cases import prepare_to
     from dsv4.conformance.placement import place_far
 
     try:
         far = place_far(prepare_to(clone_prepared(prepared), device), gib)  # the backend gets copies only
         guard = InputGuard(far)
-        actual = execute(far, getattr(backend, prepared.case.op))
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
             return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
+                            "reason": f"placing the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
+    try:
+        actual = execute(far, getattr(backend, prepared.case.op))
+    except Exception as exc:  # noqa: BLE001 - the backend's exception: an error row
+        return {"run@far": {"passed": False, "raised": True,
                             "reason": f"with the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
     metrics = {**compare_outputs(prepared, actual, expected, lse_required=lse_required), **guard.metrics()}
     for name, m in metrics.items():
@@ -310,7 +325,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         row.metrics.update(guard.metrics())
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
-        row.outcome = _outcome(row.metrics)
+        row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
         row.reasons = [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
@@ -419,7 +434,7 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                     for name, want in returned_dtypes(run_a).items():
                         if name in out_a and out_a[name].dtype != want:
                             row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
-                row.outcome = _outcome(row.metrics)
+                row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
         except Exception as exc:  # noqa: BLE001
             row.outcome, row.reasons = "error", [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
         row.seconds = time.perf_counter() - start
