@@ -36,7 +36,7 @@ __all__ = [
     "select_cases",
 ]
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: -1 holes inside extra_lens (sparse_attention)
 
 _KIND_LAYER = {"swa": 0, "csa": 1, "hca": 2}  # layer ids of the "tiny" preset (ratios 0, 4, 128, 0)
 _KIND_RATIO = {"swa": 1, "csa": 4, "hca": 128}
@@ -302,7 +302,8 @@ def _sparse_attention(case: Case, g: torch.Generator) -> Prepared:
             lens = [width] * num_tokens
         else:
             lens = [0] + torch.randint(0, width + 1, (num_tokens - 1,), generator=g).tolist()
-        extra_indices = _index_rows(g, lens, width, entry_slots.numel(), holes=False)
+        # holes as serving makes them (a top-k entry on a page not allocated), decode rows included
+        extra_indices = _index_rows(g, lens, width, entry_slots.numel(), holes=True)
         extra_lens = torch.tensor(lens, dtype=torch.int32)
     q = _randn(g, num_tokens, heads, dim, dtype=torch.bfloat16)
     sink = _randn(g, heads)

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 import torch
-from dsv4.conformance.tolerances import E4M3_MANTISSA_BITS, Tolerance
+from dsv4.conformance.tolerances import Tolerance, cache_element_rule
 
 __all__ = ["check_topk", "compare_cache", "compare_tensor", "cosine_difference", "topk_scores"]
 
@@ -72,6 +72,9 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     reasons = []
     if nan_mismatch or inf_mismatch:
         reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf)")
+    if tol.max_fail_of_block_amax is not None:
+        reasons += _failing_elements_capped(diff, torch.where(finite, e, torch.zeros_like(e)), ~element_ok, tol,
+                                            metrics)
     if pass_fraction < tol.min_pass_fraction:
         reasons.append(f"pass fraction {pass_fraction:.6f} < {tol.min_pass_fraction}")
     if tol.cos_diff is not None and not metrics["cos_diff"] < tol.cos_diff:  # SPEC §13: "< 5e-6"
@@ -82,13 +85,47 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     return metrics
 
 
+def _failing_elements_capped(diff: torch.Tensor, e: torch.Tensor, failing: torch.Tensor, tol: Tolerance,
+                             metrics: dict[str, Any]) -> list[str]:
+    """``tol.max_fail_of_block_amax``: every failing element off by at most that fraction of the amax of its
+    block (``tol.quant_block`` consecutive elements of ``e``); sets ``worst_fail_of_block_amax``."""
+    block = tol.quant_block or e.numel()
+    if e.numel() % block:
+        return [f"{e.numel()} elements do not split into quantization blocks of {block}"]
+    amax = e.abs().reshape(-1, block).amax(1, keepdim=True).expand(-1, block).reshape(e.shape)
+    ratio = torch.where(failing, diff / amax.clamp_min(1e-300), torch.zeros_like(diff))
+    metrics["worst_fail_of_block_amax"] = _num(float(ratio.max())) if ratio.numel() else 0.0
+    over = ratio > tol.max_fail_of_block_amax
+    if not over.any():
+        return []
+    where = _where(int(over.flatten().nonzero()[0]), e.shape)
+    return [(f"{int(over.sum())} elements off by more than {tol.max_fail_of_block_amax:.3g} of their block's "
+             f"amax (one quantization step), first at {where}")]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8).reshape(t.shape[0], -1)
 
 
+def _element_rules(codec: Any, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element of a dequantized row, its mantissa bits and zero floor (``cache_element_rule`` of the
+    type the codec stores it as), as float64 ``[row_dim]`` tensors."""
+    bits, floors = [], []
+    for element_type, count in codec.row_elements:
+        rule = cache_element_rule(element_type)
+        bits.append(torch.full((count,), float(rule.mantissa_bits), dtype=torch.float64))
+        floors.append(torch.full((count,), rule.floor_of_row_amax, dtype=torch.float64))
+    bits_t, floors_t = torch.cat(bits), torch.cat(floors)
+    if bits_t.numel() != rows.shape[1]:
+        raise ValueError(f"{codec.name}: row_elements cover {bits_t.numel()} elements, rows have {rows.shape[1]}")
+    return bits_t, floors_t
+
+
 def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | None, tol: Tolerance) -> dict[str, Any]:
-    """Byte-exact check of a cache storage; where bytes differ, the dequantized rows of every slot
-    must agree within one e4m3 ULP of the reference, with the same NaN positions (SPEC §13)."""
+    """Byte-exact check of a cache storage; where bytes differ, every padding byte (a byte format's bytes
+    outside its fields: scale pad, record tails, page tail) must still be equal, and the dequantized rows
+    of every slot must agree within one ULP of the type each element is stored in (``cache_element_rule``:
+    e4m3 for quantized fields, bf16 for bf16 ones), with the same NaN positions (SPEC §13)."""
     if tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype:
         return {"passed": False, "byte_exact": False,
                 "reason": f"storage {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"}
@@ -106,14 +143,21 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
         metrics.update({k: v for k, v in element.items() if k != "passed"}, passed=element["passed"])
         return metrics
     block = codec.block_size_of(expected)
+    reasons = []
+    if hasattr(codec, "field_byte_mask"):  # SPEC §9.1: pad bytes are written 0, the page tail left alone
+        padding = differs & ~codec.field_byte_mask(block, expected.shape[1])
+        metrics["padding_bytes_differing"] = int(padding.sum())
+        if padding.any():
+            where = _where(int(padding.flatten().nonzero()[0]), a_bytes.shape)
+            reasons.append(f"{metrics['padding_bytes_differing']} padding bytes differ (first at [block, byte] "
+                           f"{where}): SPEC §9.1: pad bytes are written 0, the page tail is never touched")
     slots = torch.arange(expected.shape[0] * block, dtype=torch.int64)
     a = codec.read_rows(actual.detach().cpu(), slots).double()
     e = codec.read_rows(expected.detach().cpu(), slots).double()
-    # one e4m3 ULP of the reference value: 2^(floor(log2|e|) - 3); a floor for zeros / subnormals
-    # at 2^-17 of the row's amax (a UE8M0 block scale is about amax/448, subnormal step 2^-9 of it)
+    bits, floors = _element_rules(codec, e)
     finite_e = torch.where(e.isfinite(), e.abs(), torch.zeros_like(e))
-    ulp = torch.exp2(torch.floor(torch.log2(finite_e.clamp_min(1e-300))) - E4M3_MANTISSA_BITS)
-    floor = finite_e.amax(dim=1, keepdim=True) * 2.0 ** -17
+    ulp = torch.exp2(torch.floor(torch.log2(finite_e.clamp_min(1e-300))) - bits)
+    floor = finite_e.amax(dim=1, keepdim=True) * floors
     within = compare_tensor(a, e, Tolerance())
     diff = torch.where(a.isfinite() & e.isfinite(), (a - e).abs(), torch.zeros_like(a))
     ok = diff <= torch.maximum(ulp, floor)
@@ -121,18 +165,28 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
     metrics["dequantized_within_one_ulp"] = bool(ok.all())
     metrics["pass_fraction"] = float(ok.double().mean())
     metrics["where_is"] = "max_abs_where = [slot, element] of dequantized rows; first_byte_where = [block, byte]"
-    reasons = []
     if within["nan_mismatch"] or within["inf_mismatch"]:
         reasons.append(f"written/unwritten slots differ: {within['nan_mismatch']} NaN and "
                        f"{within['inf_mismatch']} Inf position mismatches in dequantized rows")
     if not ok.all():
         bad = (~ok).flatten().nonzero()[0]
-        reasons.append(f"bytes differ and dequantized value at [slot, element] {_where(int(bad), a.shape)} is "
-                       f"more than one e4m3 ULP off")
+        slot, element = _where(int(bad), a.shape)
+        stored = next(t for t, end in _ends(codec.row_elements) if element < end)
+        reasons.append(f"bytes differ and dequantized value at [slot, element] {[slot, element]} is more than one "
+                       f"{stored} ULP off")
     metrics["passed"] = not reasons
     if reasons:
         metrics["reason"] = "; ".join(reasons)
     return metrics
+
+
+def _ends(runs: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
+    """``(type, end)`` of each ``(type, count)`` run: the element index where the run stops."""
+    out, end = [], 0
+    for element_type, count in runs:
+        end += count
+        out.append((element_type, end))
+    return out
 
 
 def topk_scores(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,

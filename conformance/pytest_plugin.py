@@ -6,8 +6,9 @@ Every (backend, case) becomes one test item whose node id is ``dsv4-conformance:
 usage error (exit 4); a backend named twice runs once. Outcomes map to pytest's:
 ``failed`` -> failure (message names the op, output and where), ``error`` -> error,
 ``unsupported`` / ``skipped`` -> skip with the backend's reasons. Cases listed in the backend's
-``expected_failures`` (glob -> reason, kept with the backend) are marked xfail; an entry that
-matches no case raises a warning so the list does not rot.
+``expected_failures`` (glob -> reason, kept with the backend) are marked xfail for a failure within the
+entry only (``conformance.expectations``): an error, or a failure past the entry's bounds, fails. An entry
+that matches no case raises a warning so the list does not rot.
 
 The plugin is registered through the ``pytest11`` entry point ``dsv4`` (pyproject.toml), so an
 installed dsv4 needs no ``-p``: ``-p dsv4.conformance.pytest_plugin`` would register it a second time
@@ -25,6 +26,10 @@ import pytest
 __all__ = ["NODE_PREFIX", "ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
 
 NODE_PREFIX = "dsv4-conformance"
+
+
+class ExpectedFailureReached(AssertionError):
+    """A failed row within its backend's expected-failure entry: the only exception an xfail marker takes."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,7 +95,7 @@ class ConformanceItem(pytest.Item):
         if row.outcome == "error":
             raise RuntimeError("\n".join(row.reasons))
         if row.outcome == "failed":
-            raise AssertionError(row.summary())
+            raise (ExpectedFailureReached if row.expectation == "xfail" else AssertionError)(row.summary())
 
     def reportinfo(self) -> tuple[str, int, str]:
         return NODE_PREFIX, 0, f"{self.backend_name}::{self.case.id}"
@@ -126,5 +131,5 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                                device=config.getoption("--dsv4-device"), shared=shared)
             reason = expected_failure_for(backend, case.id)
             if reason:
-                item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
+                item.add_marker(pytest.mark.xfail(reason=reason, raises=ExpectedFailureReached, strict=False))
             items.append(item)

@@ -6,10 +6,10 @@ versions, plugin, capabilities; plugins that failed to load appear with status `
 ``results`` (rows: ``backend``, ``op``, ``case``, ``outcome``, ``metrics`` per output,
 ``seconds``, ``reasons``, ``expected_failure``, ``expected_source``, ``params``, and
 ``unexpected_pass``: a row listed as an expected failure that passed, XPASS), ``summary``
-(counts per outcome, ``passed_all``, ``expected_failures``: rows that failed or errored as
-expected, ``unexpected_passes``, ``far_not_run``: rows whose far run found no memory here).
+(counts per outcome, ``passed_all``, ``expected_failures``: rows that failed as expected (never an
+error: ``conformance.expectations``), ``unexpected_passes``, ``far_not_run``: rows whose far run found no memory here).
 
-JUnit: a failure or error listed as expected is ``<skipped message="expected failure: ...">``
+JUnit: a failure listed as expected (within its entry) is ``<skipped message="expected failure: ...">``
 (pytest's xfail), not a failure; an unexpected pass is a passing testcase whose ``system-out``
 says so, as does one whose far run could not run. Characters XML 1.0 cannot hold (ANSI escapes, other control characters) are removed
 from every attribute and text.
@@ -82,7 +82,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
 
 
 def expectation_counts(rows: Iterable[Any]) -> dict[str, int]:
-    """``expected_failures`` (failed or errored as listed) and ``unexpected_passes`` (XPASS) of result rows."""
+    """``expected_failures`` (failed within their entry) and ``unexpected_passes`` (XPASS) of result rows."""
     rows = [r if isinstance(r, dict) else r.as_dict() for r in rows]
     return {"expected_failures": sum(1 for r in rows if _is_xfail(r)),
             "unexpected_passes": sum(1 for r in rows if _is_xpass(r))}

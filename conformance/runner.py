@@ -2,18 +2,20 @@
 
 Outcomes per (backend, case): ``passed``, ``failed`` (numerics), ``error`` (an exception),
 ``unsupported`` (the backend's own ``not_supported_reasons``), ``skipped`` (environment: the
-backend is not available here). A row matching the backend's ``expected_failures`` keeps its
-outcome and carries the reason in ``expected_failure``; it does not fail the run.
+backend is not available here). A failed row within the backend's ``expected_failures`` entry keeps its
+outcome and carries the reason in ``expected_failure``; it does not fail the run (``expectations``: never
+an error, and never past the entry's metric bounds).
 
 Expected outputs come from the stored goldens when they match this machine's inputs, else from
 the reference backend run live (``expected_source`` says which). Differential mode
 (:func:`run_differential`) compares two backends on fresh random inputs instead. In both, a case with
 paged caches runs a second time with its pages past 16 GiB of each cache (``placement.place_far``):
-metrics ``<output>@far``, or ``run@far`` where that run raised (failed) or found no memory (not run).
+metrics ``<output>@far``, or ``run@far`` where placing the far caches failed (failed) or found no memory
+for them (not run). The backend raising in the far run, out of memory included, is an ``error`` row that
+keeps the near metrics.
 """
 from __future__ import annotations
 
-import fnmatch
 import time
 import traceback
 import warnings
@@ -32,7 +34,15 @@ from dsv4.conformance.cases import (
     prepare,
     returned_dtypes,
 )
+from dsv4.conformance.expectations import (
+    expectation,
+    expected_failure_entry,
+    expected_failure_for,
+    unexpected_failures,
+    unmatched_expected_failures,
+)
 from dsv4.conformance.golden import GoldenStore, expected_outputs
+from dsv4.conformance.input_guard import InputGuard
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
 from dsv4.conformance.placement import FAR_GIB, far_pages
 from dsv4.conformance.tolerances import tolerance_for
@@ -76,7 +86,7 @@ class ResultRow:
 
     @property
     def counts_as_failure(self) -> bool:
-        return self.outcome in ("failed", "error") and self.expected_failure is None
+        return self.outcome in ("failed", "error") and self.expectation != "xfail"
 
     @property
     def expectation(self) -> str | None:
@@ -119,17 +129,6 @@ def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
     return OpRequest(op=prepared.case.op, device_type=backend_device.type, arch=arch_of(backend_device), **fields)
 
 
-def expectation(outcome: str, expected_failure: str | None) -> str | None:
-    """``"xfail"``: a row listed in the backend's ``expected_failures`` that failed or errored (reported, not
-    a failure); ``"xpass"``: listed and passed (reported, not a failure); None otherwise. The one rule that
-    the table, the JSON summary and JUnit share."""
-    if not expected_failure:
-        return None
-    if outcome in ("failed", "error"):
-        return "xfail"
-    return "xpass" if outcome == "passed" else None
-
-
 def first_failure(op: str, metrics: dict[str, Any]) -> str:
     """``op.output: reason; max abs err E at [where]`` of the first failing metric, or ""."""
     for name, m in metrics.items():
@@ -137,19 +136,6 @@ def first_failure(op: str, metrics: dict[str, Any]) -> str:
             where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
             return f"{op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
     return ""
-
-
-def expected_failure_for(backend: Backend, case_id: str) -> str | None:
-    """The reason of the first ``expected_failures`` pattern (fnmatch) matching ``case_id``."""
-    for pattern, reason in backend.expected_failures.items():
-        if fnmatch.fnmatchcase(case_id, pattern):
-            return reason
-    return None
-
-
-def unmatched_expected_failures(backend: Backend, cases: Sequence[Case]) -> list[str]:
-    """Patterns of ``backend.expected_failures`` that match no case (stale entries)."""
-    return [p for p in backend.expected_failures if not any(fnmatch.fnmatchcase(c.id, p) for c in cases)]
 
 
 def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict[str, Any]:
@@ -160,9 +146,11 @@ def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict
 
 def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
                     *, lse_required: bool = True, check_dtypes: bool = True) -> dict[str, dict[str, Any]]:
-    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. With
-    ``check_dtypes`` (a backend's outputs) a return value of another dtype than the op's contract fails
-    (``returned_dtypes``); golden verification compares float64 ideals and turns it off."""
+    """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. ``prepared``: the
+    case's inputs as generated, not the copy the backend ran on (a check that reads an argument, as top-k
+    reads ``positions``, must not see what the backend did to it). With ``check_dtypes`` (a backend's
+    outputs) a return value of another dtype than the op's contract fails (``returned_dtypes``); golden
+    verification compares float64 ideals and turns it off."""
     from dsv4.codecs import get_codec
 
     op = prepared.case.op
@@ -196,31 +184,35 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
     return metrics
 
 
-def slots_metric(backend: Backend, prepared: Prepared, local: torch.Tensor) -> dict[str, Any]:
-    """``backend.indexer_topk_slots`` on the case's arguments against the backend's own ``indexer_topk``
-    output ``local`` converted by ``dsv4.metadata.topk_local_to_global``: ``[slots | lens]`` must be equal
-    (a fused conversion, as the Triton backend's, is checked here on every device the suite runs on).
+def slots_metric(backend: Backend, prepared: Prepared, run: Prepared, local: torch.Tensor) -> dict[str, Any]:
+    """``backend.indexer_topk_slots`` on ``run``'s arguments against the backend's own ``indexer_topk``
+    output ``local`` converted by ``dsv4.metadata.topk_local_to_global`` from the untouched ``prepared``:
+    ``[slots | lens]`` must be equal (a fused conversion, as the Triton backend's, is checked here on every
+    device the suite runs on).
 
     The compressed group's table is the key block table with every third page unallocated (-1) and its
     second half cut off, so that entries on missing pages and past the table (-1 slots) occur. The two calls
     must pick the same entries: the suite asks a backend's top-k to be deterministic on equal inputs."""
     from dsv4.metadata import topk_local_to_global
 
-    args, kwargs = prepared.steps[0]
+    args, kwargs = run.steps[0]
+    inputs = prepared.steps[0][0]
     block_size = prepared.check["block_size"]
-    table = args[5].clone()
+    table = inputs[5].clone()
     table[:, 1::3] = -1
     table = table[:, : max(1, table.shape[1] // 2)]
     tol = tolerance_for("indexer_topk", "slots", prepared.case.profile)
     try:
-        slots, lens = backend.indexer_topk_slots(*args, table, compressed_block_size=block_size, **kwargs)
+        slots, lens = backend.indexer_topk_slots(*args, table.to(args[5].device), compressed_block_size=block_size,
+                                                 **kwargs)
     except Exception as exc:  # noqa: BLE001 - the metric's outcome
         return {"passed": False, "reason": f"indexer_topk_slots raised {type(exc).__name__}: {exc}"[:500],
                 "tolerance": tol.as_dict()}
-    want_slots, want_lens = topk_local_to_global(local.to(table.device), args[3], table, block_size)
+    want_slots, want_lens = topk_local_to_global(local.cpu(), inputs[3].cpu(), table.cpu(), block_size)
     if slots.dtype != torch.int32 or lens.dtype != torch.int32:
         return _wrong_dtype(slots if slots.dtype != torch.int32 else lens, torch.int32, "indexer_topk_slots")
-    m = compare_tensor(torch.cat([slots, lens[:, None]], 1), torch.cat([want_slots, want_lens[:, None]], 1), tol)
+    m = compare_tensor(torch.cat([slots, lens[:, None]], 1).cpu(), torch.cat([want_slots, want_lens[:, None]], 1),
+                       tol)
     m["tolerance"] = tol.as_dict()
     return m
 
@@ -234,7 +226,14 @@ def _lse_required(backend: Backend, case: Case) -> bool:
 
 
 def _outcome(metrics: dict[str, dict[str, Any]]) -> str:
+    if any(m.get("raised") for m in metrics.values()):  # the backend raised in the far run
+        return "error"
     return "failed" if any(m.get("passed") is False for m in metrics.values()) else "passed"
+
+
+def _raised(metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """The reasons of the metrics that record an exception of the backend (an ``error`` row's reasons)."""
+    return [m["reason"] for m in metrics.values() if m.get("raised")]
 
 
 FAR_NOT_RUN = "far run not possible here (no memory for the far caches): "
@@ -242,7 +241,8 @@ _NO_MEMORY_TEXT = ("can't allocate memory", "out of memory")
 
 
 def _no_memory(exc: BaseException) -> bool:
-    """An allocation that the machine cannot serve (host or device), not a bug."""
+    """An allocation that the machine cannot serve (host or device), not a bug: said only of the far caches
+    themselves, before the backend is called (an out-of-memory error inside the call is the backend's)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _NO_MEMORY_TEXT)
@@ -257,22 +257,28 @@ def far_not_run(metrics: dict[str, dict[str, Any]]) -> str:
 def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
                  lse_required: bool, near: dict[str, dict[str, Any]], gib: int) -> dict[str, dict[str, Any]]:
     """``prepared`` (unwritten CPU inputs) again with its pages placed ``gib`` GiB far on ``device``, compared
-    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches (or
-    for the backend beside them) is ``run@far`` not run (``passed`` None, see ``far_not_run``); any other
-    exception there is ``run@far`` failed, and the near metrics stay. A far metric that fails where
-    ``near``'s passed says so in its reason."""
+    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
+    ``run@far`` not run (``passed`` None, see ``far_not_run``); another exception while placing them is
+    ``run@far`` failed. An exception of the backend's call, out of memory included, is ``run@far`` with
+    ``raised`` (the row becomes an error; the near metrics stay). A far metric that fails where ``near``'s
+    passed says so in its reason."""
     from dsv4.conformance.cases import prepare_to
     from dsv4.conformance.placement import place_far
 
     try:
-        far = place_far(prepare_to(prepared, device), gib)  # both copy what they change
-        actual = execute(far, getattr(backend, prepared.case.op))
+        far = place_far(prepare_to(clone_prepared(prepared), device), gib)  # the backend gets copies only
+        guard = InputGuard(far)
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
             return {"run@far": {"passed": None, "reason": (FAR_NOT_RUN + f"{type(exc).__name__}: {exc}")[:500]}}
         return {"run@far": {"passed": False,
+                            "reason": f"placing the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
+    try:
+        actual = execute(far, getattr(backend, prepared.case.op))
+    except Exception as exc:  # noqa: BLE001 - the backend's exception: an error row
+        return {"run@far": {"passed": False, "raised": True,
                             "reason": f"with the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
-    metrics = compare_outputs(far, actual, expected, lse_required=lse_required)
+    metrics = {**compare_outputs(prepared, actual, expected, lse_required=lse_required), **guard.metrics()}
     for name, m in metrics.items():
         if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
             m["reason"] = f"with the {far_pages(gib)} (32-bit page arithmetic?): {m['reason']}"
@@ -285,8 +291,9 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
     """Run one case on one backend and compare it. With ``far`` a case with paged caches runs a second
     time with its pages past ``far_gib`` GiB of each cache (``placement.place_far``), against the same
     expected outputs; those metrics are named ``<output>@far``."""
+    entry = expected_failure_entry(backend, case.id)
     row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
-                    expected_failure=expected_failure_for(backend, case.id))
+                    expected_failure=entry.reason if entry else None)
     start = time.perf_counter()
     try:
         prepared = prepare(case)  # CPU inputs: the goldens' input hash is taken here
@@ -309,19 +316,31 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
             from dsv4.conformance.cases import prepare_to
 
             run = prepare_to(run, device)
+        guard = InputGuard(run)
         actual = execute(run, getattr(backend, case.op))
         lse_required = _lse_required(backend, case)
-        row.metrics = compare_outputs(run, actual, expected, lse_required=lse_required)
+        row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required)
         if case.op == "indexer_topk":
-            row.metrics["slots"] = slots_metric(backend, run, actual["topk"])
+            row.metrics["slots"] = slots_metric(backend, prepared, run, actual["topk"])
+        row.metrics.update(guard.metrics())
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
-        row.outcome = _outcome(row.metrics)
+        row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
         row.reasons = [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
     finally:
         row.seconds = time.perf_counter() - start
+    if entry is not None and row.outcome in ("failed", "error"):
+        beyond = (unexpected_failures(entry, row.metrics) if row.outcome == "failed"
+                  else ["it raised: an exception is never an expected failure"])
+        if beyond:  # listed, but not this failure: it counts, and says why
+            row.expected_failure = None
+            note = f"listed as an expected failure ({entry.reason}), but {'; '.join(beyond)}"[:500]
+            if row.outcome == "error":
+                row.reasons.insert(1, note)  # after the exception's line, before its traceback
+            else:
+                row.metrics["expectation"] = {"passed": False, "reason": note}
     return row
 
 
@@ -403,18 +422,19 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 run_a = prepare_to(clone_prepared(prepared), device)
                 run_b = prepare_to(clone_prepared(prepared), device)
                 out_a = execute(run_a, getattr(a, case.op))
+                guard = InputGuard(run_b)
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
-                row.metrics = compare_outputs(run_b, out_b, out_a, lse_required=lse)
+                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics()}
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)
-                    row.metrics["topk_" + backend_a] = compare_outputs(run_a, out_a, out_a)["topk"]
+                    row.metrics["topk_" + backend_a] = compare_outputs(prepared, out_a, out_a)["topk"]
                 else:  # B's dtypes are checked above; A's here
                     for name, want in returned_dtypes(run_a).items():
                         if name in out_a and out_a[name].dtype != want:
                             row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
-                row.outcome = _outcome(row.metrics)
+                row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
         except Exception as exc:  # noqa: BLE001
             row.outcome, row.reasons = "error", [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
         row.seconds = time.perf_counter() - start

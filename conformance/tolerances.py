@@ -4,19 +4,47 @@ Every output of every op has one :class:`Tolerance`, looked up by ``(op, output)
 passes when ``|a - e| <= abs_tol`` OR ``|a - e| <= rel_tol * |e|`` (FlashMLA's rule); an output
 passes when the fraction of passing elements is at least ``min_pass_fraction``, the cosine
 difference ``1 - 2 sum(a e) / (sum a^2 + sum e^2)`` is at most ``cos_diff``, and NaN/Inf
-positions agree. Caches (``kind == "cache"``) must be byte-exact, or, where bytes differ, every
-dequantized element within one e4m3 ULP of the reference (SPEC §13). Top-k outputs use the
+positions agree. Caches (``kind == "cache"``) must be byte-exact, or, where bytes differ, every padding
+byte still equal and every dequantized element within one ULP of the type its format stores it in
+(:func:`cache_element_rule`; SPEC §13). Top-k outputs use the
 tie-aware set rule (``kind == "topk"``, ``score_slack`` of the row's score range).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-__all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "Tolerance", "tolerance_for"]
+__all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "CacheElementRule", "Tolerance",
+           "cache_element_rule", "tolerance_for"]
 
 # SPEC §13: "within one e4m3 ULP": e4m3 has 3 mantissa bits, so one ULP is 2^(floor(log2|x|) - 3).
 E4M3_MANTISSA_BITS = 3
+
+
+@dataclass(frozen=True)
+class CacheElementRule:
+    """How far a dequantized cache element may sit from the reference's where the bytes differ: one ULP,
+    ``2^(floor(log2|e|) - mantissa_bits)``, but at least ``floor_of_row_amax`` times the row's amax."""
+
+    mantissa_bits: int
+    floor_of_row_amax: float
+
+
+# SPEC §13 allows a differing writer one e4m3 ULP: room for another block scale or rounding of a quantized
+# field. A zero or subnormal reference value gets 2^-17 of the row's amax (a UE8M0 block scale is about
+# amax/448, e4m3's subnormal step 2^-9 of it). Every stored type other than bf16 (e2m1, int8 codes) keeps
+# this rule.
+_QUANTIZED = CacheElementRule(E4M3_MANTISSA_BITS, 2.0 ** -17)
+# What a format stores as bf16 (the 64 RoPE dims of fp8_ds_mla / ascend_a5, every element of bf16 /
+# ascend_bf16 rows) has no scale to choose: SPEC §6.6 fixes its one rounding (fp32 math, bf16 round), so it
+# may differ by one bf16 ULP (7 mantissa bits: an fp32 result on a rounding boundary, another fp32 operation
+# order), never by an e4m3 ULP (2^4 bf16 ULPs: a value 6% off would pass).
+_BF16 = CacheElementRule(7, 0.0)
+
+
+def cache_element_rule(element_type: str) -> CacheElementRule:
+    """The rule for a cache element stored as ``element_type`` (``dsv4.codecs`` ``Codec.row_elements``)."""
+    return _BF16 if element_type == "bf16" else _QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -29,6 +57,10 @@ class Tolerance:
     cos_diff: float | None = None
     min_pass_fraction: float = 1.0
     score_slack: float = 0.0
+    # an element outside abs/rel may be off by at most this fraction of its quantization block's amax (the
+    # expected values' amax over each ``quant_block`` consecutive elements): None, any amount
+    max_fail_of_block_amax: float | None = None
+    quant_block: int = 0
     source: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -42,7 +74,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("sparse_attention", "out"): Tolerance(abs_tol=1e-3, rel_tol=_BF16_ULPS_2, cos_diff=5e-6,
                                            source="SPEC §13 sparse attention out"),
     ("sparse_attention", "lse"): Tolerance(abs_tol=1e-6, rel_tol=8 / 65536, source="SPEC §13 sparse attention lse"),
-    # SPEC §13 cache bytes: byte-exact, or within one e4m3 ULP dequantized.
+    # SPEC §13 cache bytes: byte-exact, or within one ULP dequantized (cache_element_rule), padding equal.
     ("qnorm_rope_insert", "swa_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
     ("compress_insert", "out_cache"): Tolerance(kind="cache", source="SPEC §13 cache bytes"),
     # Compressor state is fp32 `kv | score + ape` (SPEC §5.1): one fp32 add, so exact up to 1 ULP.
@@ -84,6 +116,28 @@ PROFILE_TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
     ("sparse_attention", "out", "deepseek"): _BF16_PROBABILITIES,
     ("sparse_attention", "out", "vllm"): _BF16_PROBABILITIES,
 }
+
+
+# indexer_q: the 0.5% of elements outside abs/rel are boundary flips of the profile's q quantization (SPEC
+# §6.6), so each is off by one quantization step, never more. The largest step, as a fraction of the block's
+# (dequantized) amax A: e2m1 per 32, scale s = 2^ceil(log2(amax/6)), so A >= 3s and the top step (4 -> 6) is
+# 2s <= 2A/3; e4m3 per 128-vector, A >= 224s and the top step (256 -> 288) is 32s <= A/7; int8 per
+# 128-vector, A = 127s, one step s plus both sides' bf16 rounding of the product (2^-9 A each). A head
+# zeroed, or roped at the wrong position, is off by about A: it fails.
+def _indexer_q_step(profile: str) -> Tolerance:
+    from dsv4.specs.formats import get_format
+    from dsv4.specs.numerics import get_profile
+
+    numerics = get_profile(profile)
+    key = get_format(numerics.indexer_key_format)  # the same quantization as q's (SPEC §6.6)
+    block = getattr(key, "quant_block", key.row_dim)  # mxfp4: per 32; fp8, int8: one scale per vector
+    step = {"fp4": 2 / 3, "fp8": 1 / 7, "int8": 1 / 127 + 2.0 ** -8}[numerics.indexer_quant]
+    return replace(TOLERANCES[("indexer_q", "q")], max_fail_of_block_amax=step, quant_block=block,
+                   source=f"suite: quantized bf16, boundary flips on 0.5%, each within one {numerics.indexer_quant} "
+                          "step")
+
+
+PROFILE_TOLERANCES.update({("indexer_q", "q", p): _indexer_q_step(p) for p in ("deepseek", "vllm", "ascend")})
 
 
 def tolerance_for(op: str, output: str, profile: str | None = None) -> Tolerance:

@@ -32,6 +32,7 @@ __all__ = [
     "REASON_CHARS",
     "Backend",
     "Capabilities",
+    "ExpectedFailure",
     "OpRequest",
     "OptionalImport",
     "device_arch",
@@ -270,19 +271,34 @@ class OptionalImport:
         return [reason] if reason else []
 
 
+@dataclass(frozen=True)
+class ExpectedFailure:
+    """A conformance case a backend is known to fail, with how far (a value of ``Backend.expected_failures``).
+
+    ``bounds``: ``"<output>.<metric>"`` -> the most that metric may reach (``{"out.cos_diff": 1e-3}``), far
+    run included. With bounds, the row is an expected failure only while every failing output is bounded and
+    within its bounds; without, any numeric failure is. An exception, a modified input or a far run that
+    raised is never an expected failure.
+    """
+
+    reason: str
+    bounds: Mapping[str, float] = field(default_factory=dict)
+
+
 class Backend:
     """Base class of every backend. Subclasses set ``name`` and ``capabilities``.
 
     Optional class attributes:
         packages: distribution names whose versions reports show (looked up without importing).
-        expected_failures: conformance case-id glob -> reason; the suite marks matching cases as
-            expected failures and warns about entries that match no case (SPEC §13 stays the bar).
+        expected_failures: conformance case-id glob -> reason, or an :class:`ExpectedFailure` with metric
+            bounds; the suite marks matching failed cases as expected failures and warns about entries
+            that match no case (SPEC §13 stays the bar).
     """
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities(ops=frozenset())
     packages: ClassVar[tuple[str, ...]] = ()
-    expected_failures: ClassVar[Mapping[str, str]] = {}
+    expected_failures: ClassVar[Mapping[str, str | ExpectedFailure]] = {}
 
     # -- availability ---------------------------------------------------------------------------
     def probe(self) -> list[str]:

@@ -21,6 +21,8 @@ from torch import Tensor
 
 __all__ = ["ByteCodec", "Codec", "RowsCodec", "check_slots", "reinterpret"]
 
+_ELEMENT_TYPES = {torch.float8_e4m3fn: "e4m3", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
 
 def reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
     """uint8 ``[..., n]`` bytes as ``dtype`` ``[..., n / itemsize]`` (or back when ``dtype`` is uint8)."""
@@ -58,6 +60,15 @@ class Codec:
     @property
     def row_dim(self) -> int:
         return self.format.row_dim
+
+    @property
+    def row_elements(self) -> tuple[tuple[str, int], ...]:
+        """What a dequantized row's elements are stored as, in ``read_rows`` order: ``(type, count)`` runs
+        with type one of ``e4m3``, ``bf16``, ``e2m1``, ``int8``, ``fp32``. A row format's is its storage dtype;
+        a byte format's codec sets its own (a class attribute)."""
+        if self.format.storage_dtype not in _ELEMENT_TYPES:
+            raise NotImplementedError(f"{self.name}: a byte format's codec states its row_elements")
+        return ((_ELEMENT_TYPES[self.format.storage_dtype], self.row_dim),)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.format.name!r})"
@@ -201,6 +212,13 @@ class ByteCodec(Codec):
         if pages.shape[-1] < self.format.page_bytes(block):
             raise CacheLayoutError.of("pages", f"last dim >= {self.format.page_bytes(block)}", pages.shape[-1])
         return self.to_fields([view.contiguous() for view in self.section_views(pages, block)])
+
+    def field_byte_mask(self, block_size: int, page_stride: int | None = None) -> Tensor:
+        """bool ``[page_stride]``: True where a page byte belongs to a field (what ``unpack_page`` and
+        ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail."""
+        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
+        probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)  # every field byte survives the round trip
+        return self.pack_page(self.unpack_page(probe, block_size), block_size, stride)[0] != 0
 
     def pack_page(self, fields: dict[str, Tensor], block_size: int, page_stride: int | None = None) -> Tensor:
         """Inverse of :meth:`unpack_page`: uint8 ``[..., page_stride]`` with every padding byte 0."""

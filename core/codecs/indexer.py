@@ -38,6 +38,7 @@ class IndexerFp8Codec(ByteCodec):
 
     format: IndexerFp8Format
     sections = _sections("indexer_fp8")
+    row_elements = (("e4m3", get_format("indexer_fp8").row_dim),)
 
     def __init__(self) -> None:
         super().__init__(get_format("indexer_fp8"))
@@ -65,6 +66,7 @@ class IndexerMxfp4Codec(ByteCodec):
 
     format: IndexerMxfp4Format
     sections = _sections("indexer_mxfp4")
+    row_elements = (("e2m1", get_format("indexer_mxfp4").row_dim),)
 
     def __init__(self) -> None:
         super().__init__(get_format("indexer_mxfp4"))
@@ -90,6 +92,7 @@ class IndexerAscendInt8Codec(ByteCodec):
 
     format: IndexerAscendInt8Format
     sections = _sections("indexer_ascend_int8")
+    row_elements = (("int8", get_format("indexer_ascend_int8").row_dim),)
 
     def __init__(self) -> None:
         super().__init__(get_format("indexer_ascend_int8"))

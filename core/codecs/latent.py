@@ -22,6 +22,8 @@ class _LatentByteCodec(ByteCodec):
     """Shared quantization of the latent byte formats; subclasses place the fields."""
 
     format: Fp8DsMlaFormat | AscendA5Format
+    # read_rows returns [nope | rope]: e4m3 (block-scaled) then bf16, in both placements
+    row_elements = (("e4m3", get_format("fp8_ds_mla").nope_dim), ("bf16", get_format("fp8_ds_mla").rope_dim))
 
     def _quantize(self, rows: Tensor) -> dict[str, Tensor]:
         """rows ``[N, 512]`` float -> fields nope e4m3 ``[N,448]``, rope bf16 ``[N,64]``, scale uint8 ``[N,7]``."""

@@ -207,31 +207,39 @@ def test_differential_mode_places_b_far():
 
 
 class FarRaises(ReferenceBackend):
-    """Raises on caches of more than 1 GiB: ``error`` (a RuntimeError's text)."""
+    """Raises ``error`` (a RuntimeError's text, or an exception) on caches of more than 1 GiB."""
 
     name = "far-raises"
 
-    def __init__(self, error: str = "CUDA error: an illegal memory access was encountered") -> None:
+    def __init__(self, error: str | Exception = "CUDA error: an illegal memory access was encountered") -> None:
         self.error = error
 
     def sparse_attention(self, q, swa_cache, *args, **kwargs):
         if swa_cache.numel() * swa_cache.element_size() > 2**30:
-            raise RuntimeError(self.error)
+            raise RuntimeError(self.error) if isinstance(self.error, str) else self.error
         return super().sparse_attention(q, swa_cache, *args, **kwargs)
 
 
-def test_a_far_run_that_raises_keeps_the_near_metrics():
+def test_a_far_run_that_raises_is_an_error_that_keeps_the_near_metrics():
     case = _csa_decode()
     row = run_case(FarRaises(), case, torch.device("cpu"), GoldenStore())
-    assert row.outcome == "failed"  # not "error": the near run's metrics are there
+    assert row.outcome == "error"  # an exception of the backend; the near run's metrics are there
     assert row.metrics["out"]["passed"] is True and row.metrics["lse"]["passed"] is True
-    assert row.metrics["run@far"] == {
-        "passed": False,
-        "reason": "with the pages past 16 GiB: RuntimeError: CUDA error: an illegal memory access was encountered"}
-    # the backend out of memory beside the far caches: not run, not failed
-    row = run_case(FarRaises("CUDA out of memory. Tried to allocate 2.00 GiB"), case, torch.device("cpu"),
-                   GoldenStore())
-    assert row.outcome == "passed" and row.metrics["run@far"]["passed"] is None
+    reason = "with the pages past 16 GiB: RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert row.metrics["run@far"] == {"passed": False, "raised": True, "reason": reason}
+    assert row.reasons == [reason] and row.summary() == reason
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   MemoryError()])
+def test_out_of_memory_inside_the_backend_call_is_an_error_not_a_far_run_not_run(error):
+    """Only the far caches' own allocation may find no memory; the backend's call beside them may not."""
+    from dsv4.conformance.runner import far_not_run
+
+    row = run_case(FarRaises(error), _csa_decode(), torch.device("cpu"), GoldenStore())
+    assert row.outcome == "error" and row.counts_as_failure and not far_not_run(row.metrics)
+    assert row.metrics["run@far"]["passed"] is False and type(error).__name__ in row.reasons[0]
 
 
 class OutDoubled(ReferenceBackend):

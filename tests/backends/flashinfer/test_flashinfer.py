@@ -72,18 +72,22 @@ def test_sm100_fp8_rows_fail_the_suite_as_declared(monkeypatch):
     made exact (q already on the grid), the same call passes. So the entry names the only difference."""
     from dsv4.backends.flashinfer import attention
     from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+    from dsv4.conformance.expectations import expected_failure_entry, unexpected_failures
     from dsv4.conformance.golden import expected_outputs
-    from dsv4.conformance.runner import compare_outputs, expected_failure_for
+    from dsv4.conformance.runner import compare_outputs
 
     case = Case("sparse_attention", "csa", "vllm", "fp8_e4m3", "decode")
     backend = FlashInferSM100Backend(flashinfer_mla=FakeFlashInferMLA("sm100"))
-    assert "fp8 q" in expected_failure_for(backend, case.id)
+    entry = expected_failure_entry(backend, case.id)
+    assert "fp8 q" in entry.reason and entry.bounds == {"out.cos_diff": 1e-3}  # the bound its text states
     prepared = prepare(case)
     expected = expected_outputs(prepared)
 
     def out_passed() -> bool:
         actual = execute(clone_prepared(prepared), backend.sparse_attention)
-        return compare_outputs(prepared, actual, expected, lse_required=False)["out"]["passed"]
+        metrics = compare_outputs(prepared, actual, expected, lse_required=False)
+        assert unexpected_failures(entry, metrics) == []  # failing or not, within the entry
+        return metrics["out"]["passed"]
 
     assert out_passed() is False
     for args, _ in prepared.steps:  # q on the e4m3 grid, and a unit scale: the quantization is exact

@@ -136,3 +136,18 @@ def test_block_size_inference():
     with pytest.raises(CacheLayoutError, match="page_stride"):
         codec.allocate(1, 64, page_stride=37376)
     assert codec.read_rows(codec.allocate(1, 64), torch.tensor([-1, -1])).eq(0).all()
+
+
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "ascend_a5"])
+def test_field_byte_mask_and_row_elements(name):
+    """Padding is what SPEC §9.1 / §9.2 leave outside the fields: fp8_ds_mla's scale pad byte and page tail,
+    A5's record tails; a dequantized row is 448 e4m3 then 64 bf16 in both."""
+    codec, block = get_codec(name), 16
+    fmt = codec.format
+    padding = int((~codec.field_byte_mask(block)).sum())
+    if name == "fp8_ds_mla":
+        assert padding == block * fmt.scale_pad_bytes + fmt.page_stride(block) - fmt.page_bytes(block)
+        assert int((~codec.field_byte_mask(block, fmt.page_stride(block) + 576)).sum()) == padding + 576
+    else:
+        assert padding == block * (fmt.record_bytes - fmt.scale_offset - fmt.scale_bytes)
+    assert codec.row_elements == (("e4m3", 448), ("bf16", 64))

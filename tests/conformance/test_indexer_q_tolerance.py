@@ -1,0 +1,46 @@
+"""indexer_q's q may miss abs/rel on 0.5% of elements (quantization boundary flips), but each such element
+only by one quantization step of the profile's format: a zeroed head fails."""
+from __future__ import annotations
+
+import pytest
+from dsv4.backends.reference import ReferenceBackend
+from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+from dsv4.conformance.metrics import compare_tensor
+from dsv4.conformance.runner import compare_outputs
+from dsv4.conformance.tolerances import tolerance_for
+
+PROFILES = ("deepseek", "vllm", "ascend")
+
+
+def _outputs(profile):
+    prepared = prepare(Case("indexer_q", "csa", profile, "-", "mixed"))
+    return prepared, execute(clone_prepared(prepared), ReferenceBackend().indexer_q)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_zeroed_head_fails(profile):
+    prepared, expected = _outputs(profile)
+    actual = {**expected, "q": expected["q"].clone()}
+    actual["q"][0, 0] = 0  # token 0, head 0: 128 of 81920 elements, inside the 0.5% allowance
+    q = compare_outputs(prepared, actual, expected)["q"]
+    assert q["pass_fraction"] >= 0.995 and q["passed"] is False
+    assert "of their block's amax (one quantization step)" in q["reason"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_one_step_passes_and_more_fails(profile):
+    """The block's smallest element moved by 0.99 / 1.01 of the cap (well past abs/rel: it counts as failing)."""
+    _, expected = _outputs(profile)
+    tol = tolerance_for("indexer_q", "q", profile)
+    e = expected["q"].double()
+    block = e.flatten()[: tol.quant_block]
+    smallest, amax = int(block.abs().argmin()), float(block.abs().max())
+    assert tol.max_fail_of_block_amax * amax > 2 * tol.abs_tol
+
+    def moved(fraction):
+        a = e.clone().flatten()
+        a[smallest] += fraction * tol.max_fail_of_block_amax * amax
+        return a.view(e.shape)
+
+    assert compare_tensor(moved(0.99), e, tol)["passed"] is True
+    assert compare_tensor(moved(1.01), e, tol)["passed"] is False
