@@ -123,13 +123,18 @@ class PagedKVCache:
       ``free``, make earlier steps of it stale, and ``Attention`` refuses a stale step
       (:class:`StaleStepError`) before writing. Running the latest step again is allowed (every layer
       of a model runs it; a re-run writes the same bytes).
-    - A forward that raises (a rejected input, a backend that cannot run) may leave the step unwritten
-      in that layer and in the layers after it, which never ran: the layer reports it
-      (``mark_unwritten``), which marks every layer of this cache for the step's requests, and a later
-      ``plan_step`` including one of them raises, naming the layers still to run. Run the same step
-      again in every layer with a corrected input (each success clears its layer) or ``free()`` the
-      request and prefill it again. A request that made the input bad (a NaN row) can be freed after
-      the re-run: its rows may be anything finite, e.g. zeros, in that re-run.
+    - Every layer of this cache must run a step before its requests are planned again: each successful
+      ``Attention`` forward clears its layer (``mark_written``), and a ``plan_step`` including a request
+      whose latest step some layer has not run raises, naming those layers. Otherwise a model that failed
+      after some layers (outside attention too), or a step dropped unrun, would leave pages that hold a
+      freed request's rows, and the next step would attend to them. A caller that writes a step's cache
+      rows itself (through the ops or the codecs) calls ``mark_written(step)``.
+    - A forward that raises (a rejected input, a backend that cannot run) may leave the step partly
+      written in that layer: the layer reports it (``mark_unwritten``), which marks every layer of this
+      cache again for the step's requests. Run the same step again in every layer with a corrected input
+      (each success clears its layer) or ``free()`` the request and prefill it again. A request that made
+      the input bad (a NaN row) can be freed after the re-run: its rows may be anything finite, e.g.
+      zeros, in that re-run.
     """
 
     def __init__(
@@ -200,7 +205,7 @@ class PagedKVCache:
         self.seq_lens: dict[Hashable, int] = {}
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
-        self._unwritten: dict[Hashable, set[int]] = {}  # request -> layers whose forward of that step raised
+        self._unwritten: dict[Hashable, set[int]] = {}  # request -> layers still to run its latest step
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -252,14 +257,19 @@ class PagedKVCache:
             if self._epochs.get(request_id) == step.serial:
                 self._unwritten.setdefault(request_id, set()).update(self.layers)
 
-    def mark_written(self, step: Step, layer_id: int) -> None:
-        """A layer's forward of the (current) ``step`` succeeded: clear its marks for the step's requests."""
+    def mark_written(self, step: Step, layer_id: int | None = None) -> None:
+        """A layer's forward of the (current) ``step`` succeeded: clear its marks for the step's requests.
+        ``layer_id=None``: every layer (a caller that wrote the step's cache rows itself, e.g. through the
+        ops or the codecs, says so; ``plan_step`` refuses the requests until every layer has)."""
         if not self._unwritten:
             return
         for request_id in step.metadata.request_ids:
             layers = self._unwritten.get(request_id)
             if layers is not None and self._epochs.get(request_id) == step.serial:
-                layers.discard(layer_id)
+                if layer_id is None:
+                    layers.clear()
+                else:
+                    layers.discard(layer_id)
                 if not layers:
                     del self._unwritten[request_id]
 
@@ -306,9 +316,11 @@ class PagedKVCache:
             if r in self._unwritten:
                 raise DSV4ValueError.of(
                     f"requests[{r!r}]", "a request whose previous step every layer wrote",
-                    f"layers {sorted(self._unwritten[r])} still to run step #{self._epochs[r]} since a forward of it raised",
-                    hint="run that step again in those layers with a corrected input (rows of a request you then "
-                         "free may be zeros), or free() the request and prefill it again")
+                    f"layers {sorted(self._unwritten[r])} still to run step #{self._epochs[r]} (never run, or a "
+                    "forward of it raised)",
+                    hint="run that step in those layers (again, with a corrected input, where one raised: rows of "
+                         "a request you then free may be zeros), or free() the request and prefill it again; "
+                         "a cache filled without the layers: mark_written(step)")
 
         plans = {}
         for name, group in self.groups.items():
@@ -338,6 +350,8 @@ class PagedKVCache:
         except BaseException:
             self._undo_plan(ids, plans, released, before)
             raise
+        for r in ids:  # pending until every layer of this cache has run the step (mark_written)
+            self._unwritten[r] = set(self.layers)
         return Step(metadata, self, self._serial)
 
     def _undo_plan(self, ids: list, plans: dict, released: dict, before: tuple) -> None:

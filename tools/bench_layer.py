@@ -43,9 +43,10 @@ def _filled_cache(cfg: ModelConfig, layer_ids: list[int], lens: dict, context: i
     pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
              "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
     cache = PagedKVCache(cfg, layer_ids, num_blocks={k: len(lens) * v for k, v in pages.items()}, device=device)
-    cache.plan_step([StepRequest(i, n) for i, n in lens.items()])
+    step = cache.plan_step([StepRequest(i, n) for i, n in lens.items()])
     torch.manual_seed(0)
     _fill(cache)
+    cache.mark_written(step)  # written through the codecs, not by the layers
     return cache
 
 

@@ -1,7 +1,8 @@
 """Paged caches and step metadata (SPEC §9-§10): allocation, windows, slots, index lists."""
 import pytest
 import torch
-from dsv4.cache import OutOfBlocksError, PagedKVCache, StepRequest
+from _cache_helpers import PlannedOnly
+from dsv4.cache import OutOfBlocksError, StepRequest
 from dsv4.metadata import closing_windows_in_call, slots_from_block_table, topk_local_to_global
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4ValueError
@@ -32,7 +33,7 @@ def test_topk_local_to_global_counts_valid():
 
 
 def test_mixed_step_metadata_is_what_the_formulas_say():
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=300)
     cache.plan_step([StepRequest("a", 300)])
     step = cache.plan_step([StepRequest("a", 1), StepRequest("b", 130)]).metadata
     assert step.positions[:3].tolist() == [300, 0, 1]
@@ -65,7 +66,7 @@ def test_mixed_step_metadata_is_what_the_formulas_say():
 
 def test_windows_in_step_is_true_only_when_closing_requests_are_fresh():
     """SPEC §5.2 windows: the host-side promise compress_insert may act on (no device sync)."""
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=400)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=400)
     fresh = cache.plan_step([StepRequest("a", 300), StepRequest("b", 7)]).metadata
     assert fresh.context_lens == (0, 0)
     assert fresh.windows_in_step(4) and fresh.windows_in_step(128)
@@ -100,7 +101,7 @@ def test_closing_windows_in_call_counts_closing_positions():
 
 
 def test_sliding_groups_free_pages_outside_their_window():
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=300)
     cache.plan_step([StepRequest("a", 1000)])
     before = cache.free_pages()
     cache.plan_step([StepRequest("a", 1)])
@@ -122,7 +123,7 @@ def test_sliding_groups_free_pages_outside_their_window():
 
 
 def test_rejected_plan_changes_nothing():
-    cache = PagedKVCache(CFG, [0], num_blocks=4)
+    cache = PlannedOnly(CFG, [0], num_blocks=4)
     cache.plan_step([StepRequest("a", 64)])
     snapshot = (cache.free_pages(), dict(cache.seq_lens), {k: list(v) for k, v in cache.groups["swa"].tables.items()})
     with pytest.raises(OutOfBlocksError, match="swa"):
@@ -136,7 +137,7 @@ def test_rejected_plan_changes_nothing():
 
 
 def test_free_returns_every_page():
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=300)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=300)
     empty = cache.free_pages()
     cache.plan_step([StepRequest("a", 500), StepRequest("b", 3)])
     cache.free("a")
@@ -152,7 +153,7 @@ def test_free_returns_every_page():
     ("ascend", "ascend_bf16", "indexer_ascend_int8", 128 * 1024, 128 * 130),
 ])
 def test_ascend_geometry_cache_allocates_the_geometry_formats(geometry, kv, key, latent_page, key_page):
-    cache = PagedKVCache(CFG, [1], num_blocks=2, geometry=geometry)
+    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry=geometry)
     assert (cache.kv_format, cache.indexer_key_format) == (kv, key)
     lc = cache.layer(1)
     assert lc.swa[0].numel() * lc.swa.element_size() == latent_page
@@ -162,7 +163,7 @@ def test_ascend_geometry_cache_allocates_the_geometry_formats(geometry, kv, key,
 
 
 def test_explicit_cache_format_wins_over_the_geometry_format():
-    cache = PagedKVCache(CFG, [1], num_blocks=2, geometry="ascend-a5", kv_format="fp8_ds_mla")
+    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry="ascend-a5", kv_format="fp8_ds_mla")
     assert (cache.kv_format, cache.indexer_key_format) == ("fp8_ds_mla", "indexer_fp8")
     lc = cache.layer(1)
     assert lc.swa[0].numel() * lc.swa.element_size() == 74880  # roundup(128 * 584, 576)
@@ -179,7 +180,7 @@ def test_a_pool_whose_slots_overflow_int32_is_refused_before_anything_is_built(m
     """SPEC §10: index rows hold global slots in int32, so a group may have at most 2**31 slots."""
     import dsv4.cache as cache_module
 
-    probe = PagedKVCache(CFG, [0, 2], num_blocks=1)
+    probe = PlannedOnly(CFG, [0, 2], num_blocks=1)
     per_page = {name: group.block_size for name, group in probe.groups.items()}
 
     def build(name, block_size, num_blocks, window):
@@ -193,6 +194,6 @@ def test_a_pool_whose_slots_overflow_int32_is_refused_before_anything_is_built(m
         most = dict.fromkeys(per_page, 1)
         most[name] = 2**31 // entries  # slots 0 .. 2**31 - 1: accepted, so its pool is built
         with pytest.raises(_Built, match=name):
-            PagedKVCache(CFG, [0, 2], num_blocks=most)
+            PlannedOnly(CFG, [0, 2], num_blocks=most)
         with pytest.raises(DSV4ValueError, match=rf"num_blocks\['{name}'\].*int32 global slots"):
-            PagedKVCache(CFG, [0, 2], num_blocks={**most, name: most[name] + 1})
+            PlannedOnly(CFG, [0, 2], num_blocks={**most, name: most[name] + 1})

@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from _cache_helpers import PlannedOnly
 from dsv4.cache import OutOfBlocksError, PagedKVCache, StaleStepError, StepRequest
 from dsv4.metadata import dense_compressed_indices, slots_from_block_table
 from dsv4.specs.config import ModelConfig
@@ -37,7 +38,7 @@ def _check_accounting(cache: PagedKVCache) -> dict:
 
 def test_pages_that_a_later_request_frees_can_serve_an_earlier_one():
     """B's decode frees two SWA pages that A (earlier in the batch) needs: commit frees first, then allocates."""
-    cache = PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
+    cache = PlannedOnly(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
     cache.plan_step([StepRequest("B", 256)])
     assert cache.free_pages()["swa"] == 0
     step = cache.plan_step([StepRequest("A", 1), StepRequest("B", 1)])
@@ -50,7 +51,7 @@ def test_pages_that_a_later_request_frees_can_serve_an_earlier_one():
 
 
 def test_out_of_pages_plan_changes_nothing_even_when_other_requests_free_pages():
-    cache = PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
+    cache = PlannedOnly(CFG, [0, 2], num_blocks={"swa": 4, "c128": 64, "state128": 64})
     cache.plan_step([StepRequest("B", 256)])
     before = _state(cache)
     with pytest.raises(OutOfBlocksError, match="swa"):  # B frees 2 pages, A needs 3
@@ -61,7 +62,7 @@ def test_out_of_pages_plan_changes_nothing_even_when_other_requests_free_pages()
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_schedule_keeps_page_accounting_and_slot_ownership(seed):
     rng = random.Random(seed)
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks={"swa": 40, "c4": 30, "c128": 30, "state4": 60, "state128": 200})
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks={"swa": 40, "c4": 30, "c128": 30, "state4": 60, "state128": 200})
     live: dict = {}
     planned = 0
     for it in range(150):
@@ -114,7 +115,7 @@ def test_random_schedule_keeps_page_accounting_and_slot_ownership(seed):
 
 def test_step_tables_equal_the_request_tables():
     """Tables are scattered from live pages only; the result is the full [R, pages] table, -1 where freed."""
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=600)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=600)
     cache.plan_step([StepRequest("a", 1000), StepRequest("b", 3)])
     step = cache.plan_step([StepRequest("b", 1), StepRequest("a", 1), StepRequest("c", 7)]).metadata
     tables = {"swa": step.swa, "c4": step.ratios[4].compressed, "state4": step.ratios[4].state,
@@ -142,7 +143,7 @@ def test_dense_compressed_indices_match_the_formula():
 
 
 def test_free_and_replan_make_earlier_steps_stale_but_not_the_latest():
-    cache = PagedKVCache(CFG, [0], num_blocks=8)
+    cache = PlannedOnly(CFG, [0], num_blocks=8)
     old = cache.plan_step([StepRequest("victim", 10)])
     cache.free("victim")
     with pytest.raises(StaleStepError, match="'victim' was freed"):
@@ -167,14 +168,14 @@ def test_free_and_replan_make_earlier_steps_stale_but_not_the_latest():
     (lambda c: c.plan_step(None), DSV4TypeError, "requests: expected a list or tuple of StepRequest, got None"),
     (lambda c: c.plan_step([]), DSV4ValueError, "requests: expected at least one StepRequest"),
     (lambda c: c.free(["r"]), DSV4ValueError, "request_id: expected a request known to this cache"),
-    (lambda c: PagedKVCache(CFG, [0], num_blocks=True), DSV4ValueError, r"num_blocks\['swa'\]: expected a positive"),
-    (lambda c: PagedKVCache(CFG, [0], num_blocks={"swa": 4, "bogus": 3}), DSV4ValueError,
+    (lambda c: PlannedOnly(CFG, [0], num_blocks=True), DSV4ValueError, r"num_blocks\['swa'\]: expected a positive"),
+    (lambda c: PlannedOnly(CFG, [0], num_blocks={"swa": 4, "bogus": 3}), DSV4ValueError,
      r"num_blocks: expected keys among .*got \['bogus'\]"),
-    (lambda c: PagedKVCache(CFG, [0, 2], num_blocks={"swa": 4}), DSV4ValueError,
+    (lambda c: PlannedOnly(CFG, [0, 2], num_blocks={"swa": 4}), DSV4ValueError,
      r"num_blocks\['c128'\]: expected a positive int, got missing"),
 ])
 def test_plan_and_cache_arguments_raise_named_errors(call, error, message):
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=16)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=16)
     before = _state(cache)
     with pytest.raises(error, match=message) as info:
         call(cache)
@@ -183,7 +184,7 @@ def test_plan_and_cache_arguments_raise_named_errors(call, error, message):
 
 
 def test_numpy_token_counts_and_unused_group_keys_are_accepted():
-    cache = PagedKVCache(CFG, [0], num_blocks={"swa": 4, "c4": 9})  # c4: a group these layers do not use
+    cache = PlannedOnly(CFG, [0], num_blocks={"swa": 4, "c4": 9})  # c4: a group these layers do not use
     step = cache.plan_step([StepRequest("r", np.int64(5))])
     assert step.metadata.query_lens == (5,) and type(step.metadata.query_lens[0]) is int
 
@@ -191,7 +192,7 @@ def test_numpy_token_counts_and_unused_group_keys_are_accepted():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_unavailable_device_is_a_named_error():
     with pytest.raises(DSV4ValueError, match="device: expected a device available on this machine, got 'cuda'"):
-        PagedKVCache(CFG, [0], num_blocks=4, device="cuda")
+        PlannedOnly(CFG, [0], num_blocks=4, device="cuda")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -202,7 +203,7 @@ def test_a_plan_whose_metadata_cannot_be_built_changes_nothing(monkeypatch, seed
     import dsv4.cache as cache_module
 
     rng = random.Random(seed)
-    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=96)
+    cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=96)
     for _ in range(30):  # a history with slid-out pages, so releases are undone as well
         ids = rng.sample(["a", "b", "c"], rng.randint(1, 3))
         cache.plan_step([StepRequest(r, rng.choice([1, 5, 64, 70])) for r in ids])
@@ -224,7 +225,38 @@ def test_a_plan_whose_metadata_cannot_be_built_changes_nothing(monkeypatch, seed
 
 
 def test_step_is_hashable_and_compared_by_identity():
-    cache = PagedKVCache(CFG, [0], num_blocks=16)
+    cache = PlannedOnly(CFG, [0], num_blocks=16)
     first = cache.plan_step([StepRequest("r", 3)])
     second = cache.plan_step([StepRequest("s", 3)])
     assert len({first, second, first}) == 2 and first != second and first in [first]
+
+
+@torch.no_grad()
+def test_a_step_some_layer_has_not_run_blocks_the_next_plan_of_its_requests():
+    """A model that failed after layer 0 (outside attention) or dropped the step: layers 1 and 2 never
+    wrote request a's new pages, which hold a freed request's rows. The next plan of a is refused naming
+    them; running the other layers (or mark_written for a caller that wrote the rows itself) releases it."""
+    from dsv4 import Attention
+
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
+    layers = {}
+    for layer_id in (0, 1, 2):
+        layers[layer_id] = Attention(CFG, layer_id, backends="reference")
+        layers[layer_id].reset_parameters(torch.Generator().manual_seed(layer_id))
+    x = torch.randn(64, CFG.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    step = cache.plan_step([StepRequest("x", 64)])
+    for attn in layers.values():
+        attn(x, step)
+    cache.free("x")
+    step = cache.plan_step([StepRequest("a", 64)])  # reuses x's pages
+    layers[0](x, step)
+    with pytest.raises(DSV4ValueError, match=r"requests\['a'\]: .*got layers \[1, 2\] still to run step"):
+        cache.plan_step([StepRequest("a", 1)])
+    layers[1](x, step)
+    layers[2](x, step)
+    cache.plan_step([StepRequest("a", 1)])
+    dropped = cache.plan_step([StepRequest("b", 3)])  # planned, never run
+    with pytest.raises(DSV4ValueError, match=r"requests\['b'\]: .*got layers \[0, 1, 2\]"):
+        cache.plan_step([StepRequest("b", 1)])
+    cache.mark_written(dropped)
+    cache.plan_step([StepRequest("b", 1)])

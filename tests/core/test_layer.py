@@ -209,7 +209,7 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
                                             extra_lens, sink, **kwargs)
 
     cache = PagedKVCache(CFG, [1, 2], num_blocks=256)
-    cache.plan_step([StepRequest("a", 300), StepRequest("b", 40)])
+    cache.mark_written(cache.plan_step([StepRequest("a", 300), StepRequest("b", 40)]))  # no layer fills it: only the tensors attention gets are checked
     step = cache.plan_step([StepRequest("a", 1), StepRequest("b", 3)])
     md = step.metadata
     picks_of = {}
