@@ -205,7 +205,7 @@ class PagedKVCache:
         self.seq_lens: dict[Hashable, int] = {}
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
-        self._unwritten: dict[Hashable, set[int]] = {}  # request -> layers still to run its latest step
+        self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -222,7 +222,6 @@ class PagedKVCache:
             group.release(request_id)
         del self.seq_lens[request_id]
         del self._epochs[request_id]
-        self._unwritten.pop(request_id, None)
         self._serial += 1
 
     def free_pages(self) -> dict[str, int]:
@@ -253,25 +252,23 @@ class PagedKVCache:
         layer at a time) or they are freed."""
         if layer_id not in self.layers or step.cache is not self:
             return
-        for request_id in step.metadata.request_ids:
-            if self._epochs.get(request_id) == step.serial:
-                self._unwritten.setdefault(request_id, set()).update(self.layers)
+        if any(self._epochs.get(r) == step.serial for r in step.metadata.request_ids):
+            self._pending[step.serial] = set(self.layers)
 
     def mark_written(self, step: Step, layer_id: int | None = None) -> None:
-        """A layer's forward of the (current) ``step`` succeeded: clear its marks for the step's requests.
-        ``layer_id=None``: every layer (a caller that wrote the step's cache rows itself, e.g. through the
-        ops or the codecs, says so; ``plan_step`` refuses the requests until every layer has)."""
-        if not self._unwritten:
+        """A layer's forward of ``step`` succeeded: that layer has run it (O(1)). ``layer_id=None``: every
+        layer. A caller that wrote the step's cache rows itself (through the ops or the codecs), or that
+        replays a CUDA graph of the forwards (a replay runs no Python), calls ``mark_written(step)``:
+        ``plan_step`` refuses the step's requests until every layer has run it."""
+        layers = self._pending.get(step.serial)
+        if layers is None or step.cache is not self:
             return
-        for request_id in step.metadata.request_ids:
-            layers = self._unwritten.get(request_id)
-            if layers is not None and self._epochs.get(request_id) == step.serial:
-                if layer_id is None:
-                    layers.clear()
-                else:
-                    layers.discard(layer_id)
-                if not layers:
-                    del self._unwritten[request_id]
+        if layer_id is None:
+            layers.clear()
+        else:
+            layers.discard(layer_id)
+        if not layers:
+            del self._pending[step.serial]
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -313,14 +310,16 @@ class PagedKVCache:
             if e > limit:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
         for r in ids:
-            if r in self._unwritten:
+            pending = self._pending.get(self._epochs.get(r))
+            if pending:
                 raise DSV4ValueError.of(
                     f"requests[{r!r}]", "a request whose previous step every layer wrote",
-                    f"layers {sorted(self._unwritten[r])} still to run step #{self._epochs[r]} (never run, or a "
-                    "forward of it raised)",
+                    f"layers {sorted(pending)} still to run step #{self._epochs[r]} (never run, or a forward of it "
+                    "raised)",
                     hint="run that step in those layers (again, with a corrected input, where one raised: rows of "
                          "a request you then free may be zeros), or free() the request and prefill it again; "
-                         "a cache filled without the layers: mark_written(step)")
+                         "after writing the rows yourself or replaying a CUDA graph of the layers: "
+                         "cache.mark_written(step)")
 
         plans = {}
         for name, group in self.groups.items():
@@ -350,8 +349,10 @@ class PagedKVCache:
         except BaseException:
             self._undo_plan(ids, plans, released, before)
             raise
-        for r in ids:  # pending until every layer of this cache has run the step (mark_written)
-            self._unwritten[r] = set(self.layers)
+        if len(self._pending) > 64:  # steps whose requests were all freed or re-planned since
+            live = set(self._epochs.values())
+            self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
+        self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         return Step(metadata, self, self._serial)
 
     def _undo_plan(self, ids: list, plans: dict, released: dict, before: tuple) -> None:
