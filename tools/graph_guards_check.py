@@ -4,7 +4,10 @@
 2. weights written through ``.data`` (vLLM's default loader) then ``refresh_weights()``: a graph captured
    with the old weights replays the new ones (the compressor's derived bf16 copy is rebuilt in place),
    equal to an eager step of a fresh layer built with the new weights;
-3. the backends selected during capture (``Capabilities.cuda_graphs``) are the ones eager selects.
+3. the backends selected during capture (``Capabilities.cuda_graphs``) are the ones eager selects;
+4. an engine's decode loop: capture step 1, then for steps 2 and 3 plan the same requests again, copy the
+   new metadata into the captured buffers, replay and ``mark_written(step)``; step 3's replay equals an
+   eager forward of step 3 (and planning after a replay without ``mark_written`` is refused).
 
     python3 tools/graph_guards_check.py [--batch 8] [--context 1024]
 """
@@ -14,8 +17,8 @@ import argparse
 import sys
 
 import torch
-from bench_layer import _graph, decode_step, make_layers
-from dsv4 import Attention, ModelConfig
+from bench_layer import _copy_metadata_, _graph, decode_step, make_layers
+from dsv4 import Attention, ModelConfig, StepRequest
 from dsv4.ops.dispatch import record_selections
 from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
@@ -71,6 +74,32 @@ def capture_selects_as_eager(cfg: ModelConfig, layer_id: int, batch: int, contex
     return eager == captured, f"eager {dict(sorted(eager.items()))} captured {dict(sorted(captured.items()))}"
 
 
+def engine_decode_loop(cfg: ModelConfig, layer_id: int, batch: int, context: int) -> tuple[bool, str]:
+    first = decode_step(cfg, [layer_id], batch, context, "cuda")
+    cache = first.cache
+    attn, = make_layers(cfg, layer_id, "auto", 1, context + 4)
+    x = torch.randn(batch, cfg.hidden_size, device="cuda").bfloat16()
+    requests = [StepRequest(i, 1) for i in range(batch)]
+    with torch.no_grad():
+        replay = _graph(lambda: attn(x, first))  # the capture's Python forward ran the first step
+        second = cache.plan_step(requests)
+        _copy_metadata_(first.metadata, second.metadata)
+        replay()
+        try:
+            cache.plan_step(requests)
+            return False, "planned past a replayed step without mark_written"
+        except DSV4ValueError as exc:
+            refused = "mark_written" in str(exc)
+        cache.mark_written(second)
+        third = cache.plan_step(requests)
+        _copy_metadata_(first.metadata, third.metadata)
+        got = replay().clone()
+        want = attn(x, third)
+    ok = refused and bool(torch.equal(got, want))
+    return ok, (f"unmarked plan refused {refused}; step 3 replay vs eager max abs diff "
+                f"{(got.float() - want.float()).abs().max().item():.3g}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -80,14 +109,15 @@ def main() -> int:
     failed = 0
     for kind in (LayerKind.CSA, LayerKind.HCA):
         layer_id = cfg.layer_ids(kind)[0]
-        for check in (unreserved_capture_refused, refreshed_weights_replay, capture_selects_as_eager):
+        for check in (unreserved_capture_refused, refreshed_weights_replay, capture_selects_as_eager,
+                      engine_decode_loop):
             try:
                 ok, what = check(cfg, layer_id, args.batch, args.context)
             except Exception as exc:  # noqa: BLE001 - a line in the report
                 ok, what = False, f"raised {type(exc).__name__}: {exc}"[:200]
             failed += not ok
             print(f"{'PASS' if ok else 'FAIL'} {kind.name} {check.__name__}: {what}")
-    print(f"{6 - failed} passed, {failed} failed")
+    print(f"{8 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
