@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _wrong_backends import AfterSwaWrite
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, select_cases
@@ -30,15 +31,11 @@ def _rescale(cache, slots, kv_format, factor):
     codec.write_rows(cache, slots, rows)
 
 
-class BF16Scaled(ReferenceBackend):
+class BF16Scaled(AfterSwaWrite):
     name = "bf16-scaled"
 
-    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, *, kv_format, eps,
-                          profile="deepseek"):
-        out = super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping,
-                                        kv_format=kv_format, eps=eps, profile=profile)
+    def corrupt(self, swa_cache, swa_slot_mapping, kv_format):
         _rescale(swa_cache, swa_slot_mapping, kv_format, 1.06)
-        return out
 
 
 class PaddingWritten(ReferenceBackend):

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from _wrong_backends import AfterSwaWrite
 from dsv4.backend import Capabilities
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, prepare, select_cases
@@ -21,23 +22,19 @@ class SinkFlipped(ReferenceBackend):
                                         extra_lens, -sink, **kwargs)
 
 
-class ScaleByteOff(ReferenceBackend):
+class ScaleByteOff(AfterSwaWrite):
     """Writes the SWA cache like the reference, then bumps the first written slot's first scale byte."""
 
     name = "scale-byte-off"
 
-    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, *, kv_format, eps,
-                          profile="deepseek"):
+    def corrupt(self, swa_cache, swa_slot_mapping, kv_format):
         from dsv4.codecs import get_codec
         from dsv4.specs.formats import get_format
 
-        out = super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping,
-                                        kv_format=kv_format, eps=eps, profile=profile)
         if kv_format == "fp8_ds_mla":
             fmt, block = get_format(kv_format), get_codec(kv_format).block_size_of(swa_cache)
             slot = int(swa_slot_mapping[0])
             swa_cache[slot // block, fmt.scale_offset(block, slot % block)] += 1
-        return out
 
 
 class NoLse(ReferenceBackend):

@@ -236,24 +236,21 @@ def test_a_step_some_layer_has_not_run_blocks_the_next_plan_of_its_requests():
     """A model that failed after layer 0 (outside attention) or dropped the step: layers 1 and 2 never
     wrote request a's new pages, which hold a freed request's rows. The next plan of a is refused naming
     them; running the other layers (or mark_written for a caller that wrote the rows itself) releases it."""
-    from dsv4 import Attention
+    from _layer_helpers import tiny_layer, tiny_x
 
     cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
-    layers = {}
-    for layer_id in (0, 1, 2):
-        layers[layer_id] = Attention(CFG, layer_id, backends="reference")
-        layers[layer_id].reset_parameters(torch.Generator().manual_seed(layer_id))
-    x = torch.randn(64, CFG.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    step = cache.plan_step([StepRequest("x", 64)])
-    for attn in layers.values():
-        attn(x, step)
+    layers = [tiny_layer(layer_id, seed=layer_id) for layer_id in (0, 1, 2)]
+    x = tiny_x(64, seed=0)
+    first = cache.plan_step([StepRequest("x", 64)])
+    for attn in layers:
+        attn(x, first)
     cache.free("x")
-    step = cache.plan_step([StepRequest("a", 64)])  # reuses x's pages
-    layers[0](x, step)
+    reused = cache.plan_step([StepRequest("a", 64)])  # x's pages
+    layers[0](x, reused)
     with pytest.raises(DSV4ValueError, match=r"requests\['a'\]: .*got layers \[1, 2\] still to run step"):
         cache.plan_step([StepRequest("a", 1)])
-    layers[1](x, step)
-    layers[2](x, step)
+    for attn in layers[1:]:
+        attn(x, reused)
     cache.plan_step([StepRequest("a", 1)])
     dropped = cache.plan_step([StepRequest("b", 3)])  # planned, never run
     with pytest.raises(DSV4ValueError, match=r"requests\['b'\]: .*got layers \[0, 1, 2\]"):
