@@ -14,7 +14,7 @@ own storage tensor. Page sizes come from ``dsv4.specs.geometry``; bytes from ``d
 ``plan_step`` allocates pages for the new tokens of a mixed batch (prefills, chunks, decodes),
 frees pages that slid out of every window, and returns a :class:`Step` carrying the
 :class:`~dsv4.metadata.StepMetadata`. A rejected plan changes nothing. Only the latest step of a
-request may write; a step whose forward raised must be run again or its requests freed
+request may write, and every layer must run a step before its requests are planned again
 (``PagedKVCache``'s docstring). Page pools and block tables: ``dsv4.paging``.
 """
 from __future__ import annotations
@@ -123,12 +123,10 @@ class PagedKVCache:
       ``free``, make earlier steps of it stale, and ``Attention`` refuses a stale step
       (:class:`StaleStepError`) before writing. Running the latest step again is allowed (every layer
       of a model runs it; a re-run writes the same bytes).
-    - Every layer of this cache must run a step before its requests are planned again: each successful
-      ``Attention`` forward clears its layer (``mark_written``), and a ``plan_step`` including a request
-      whose latest step some layer has not run raises, naming those layers. Otherwise a model that failed
-      after some layers (outside attention too), or a step dropped unrun, would leave pages that hold a
-      freed request's rows, and the next step would attend to them. A caller that writes a step's cache
-      rows itself (through the ops or the codecs) calls ``mark_written(step)``.
+    - Every layer of this cache must run a step before its requests are planned again (each successful
+      forward calls ``mark_written``; ``plan_step`` names the layers still to run): a model that failed
+      after some layers, or a step dropped unrun, would leave pages holding a freed request's rows for
+      the next step to attend to. Callers that write rows themselves call ``mark_written(step)``.
     - A forward that raises (a rejected input, a backend that cannot run) may leave the step partly
       written in that layer: the layer reports it (``mark_unwritten``), which marks every layer of this
       cache again for the step's requests. Run the same step again in every layer with a corrected input
@@ -246,20 +244,17 @@ class PagedKVCache:
                     hint="its slots may belong to another request now; plan a new step")
 
     def mark_unwritten(self, step: Step, layer_id: int) -> None:
-        """A layer's forward of the (current) ``step`` raised: its pages of the step's requests may be
-        unwritten or partly written, and the layers after it never ran. ``plan_step`` refuses those
-        requests until every layer of this cache has run the same step again (``mark_written``, one
-        layer at a time) or they are freed."""
+        """A layer's forward of ``step`` raised (its pages may be partly written): every layer of this
+        cache must run the step again (``mark_written``) before ``plan_step`` takes its requests."""
         if layer_id not in self.layers or step.cache is not self:
             return
         if any(self._epochs.get(r) == step.serial for r in step.metadata.request_ids):
             self._pending[step.serial] = set(self.layers)
 
     def mark_written(self, step: Step, layer_id: int | None = None) -> None:
-        """A layer's forward of ``step`` succeeded: that layer has run it (O(1)). ``layer_id=None``: every
-        layer. A caller that wrote the step's cache rows itself (through the ops or the codecs), or that
-        replays a CUDA graph of the forwards (a replay runs no Python), calls ``mark_written(step)``:
-        ``plan_step`` refuses the step's requests until every layer has run it."""
+        """A layer's forward of ``step`` succeeded (O(1)); ``layer_id=None``: every layer. A caller that
+        wrote the step's rows itself (ops, codecs) or replayed a CUDA graph of the forwards (a replay runs
+        no Python) calls ``mark_written(step)``: ``plan_step`` waits for every layer."""
         layers = self._pending.get(step.serial)
         if layers is None or step.cache is not self:
             return
