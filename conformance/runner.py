@@ -421,11 +421,13 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
 
                 run_a = prepare_to(clone_prepared(prepared), device)
                 run_b = prepare_to(clone_prepared(prepared), device)
+                guard_a = InputGuard(run_a)  # A's outputs are B's expected values: A may not edit its inputs either
                 out_a = execute(run_a, getattr(a, case.op))
                 guard = InputGuard(run_b)
                 out_b = execute(run_b, getattr(b, case.op))
                 lse = _lse_required(a, case) and _lse_required(b, case)
-                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics()}
+                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics(),
+                               **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)

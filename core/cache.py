@@ -31,7 +31,7 @@ from dsv4.metadata import (
     dense_compressed_indices,
     slots_from_block_table,
 )
-from dsv4.paging import BlockPool
+from dsv4.paging import SPEC_GROUPS, BlockPool, pages_per_group
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
@@ -166,11 +166,11 @@ class PagedKVCache:
         for kind in set(kinds.values()):
             if kind.has_compressor:
                 wanted |= {f"c{kind.ratio}", f"state{kind.ratio}"}
-        sizes = _pages_per_group(num_blocks, sorted(wanted))
+        sizes = pages_per_group(num_blocks, sorted(wanted))
 
         self.groups: dict[str, BlockPool] = {}
         for name in sorted(wanted):
-            g = geo.group(_SPEC_GROUPS[name])
+            g = geo.group(SPEC_GROUPS[name])
             if sizes[name] * g.entries_per_page > _MAX_SLOTS:  # SPEC §10: global slots are int32 in index rows
                 raise DSV4ValueError.of(f"num_blocks[{name!r}]",
                                         f"at most {_MAX_SLOTS // g.entries_per_page} ({g.entries_per_page} entries a "
@@ -204,6 +204,7 @@ class PagedKVCache:
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
+        self._planned = 0  # serial of the latest plan_step
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -228,20 +229,26 @@ class PagedKVCache:
     # -- step validity ---------------------------------------------------------------------------
 
     def check_step(self, step: Step) -> None:
-        """Raise :class:`StaleStepError` unless ``step`` is still the latest plan of each of its requests.
+        """Raise :class:`StaleStepError` unless ``step`` is still the latest plan of each of its requests,
+        or of each request not freed since, with no plan since (the step can then run, for its other
+        requests: an engine that aborts a request of an unfinished step re-runs the step for the rest).
 
         O(1) when nothing was planned or freed since ``step``; O(requests) otherwise. Never consumes
         the step: every layer runs it, and running it again is allowed."""
         if step.serial == self._serial:
             return
-        for request_id in step.metadata.request_ids:
-            epoch = self._epochs.get(request_id)
-            if epoch != step.serial:
-                happened = "freed" if epoch is None else f"re-planned by step #{epoch}"
-                raise StaleStepError.of(
-                    "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
-                    f"a stale step: request {request_id!r} was {happened}",
-                    hint="its slots may belong to another request now; plan a new step")
+        epochs = [(r, self._epochs.get(r)) for r in step.metadata.request_ids]
+        stale = next(((r, e) for r, e in epochs if e != step.serial), None)
+        if stale is None:
+            return
+        if self._planned == step.serial and any(e == step.serial for _, e in epochs):
+            return  # only frees since (no plan, so their pages are still free) and requests left to run
+        request_id, epoch = stale
+        happened = "freed" if epoch is None else f"re-planned by step #{epoch}"
+        raise StaleStepError.of(
+            "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
+            f"a stale step: request {request_id!r} was {happened}",
+            hint="its slots may belong to another request now; plan a new step")
 
     def mark_unwritten(self, step: Step, layer_id: int) -> None:
         """A layer's forward of ``step`` raised (its pages may be partly written): every layer of this
@@ -259,6 +266,7 @@ class PagedKVCache:
         if layers is None or step.cache is not self:
             return
         if layer_id is None:
+            self.check_step(step)  # a step that can no longer run cannot have been written
             layers.clear()
         else:
             layers.discard(layer_id)
@@ -312,9 +320,9 @@ class PagedKVCache:
                     f"layers {sorted(pending)} still to run step #{self._epochs[r]} (never run, or a forward of it "
                     "raised)",
                     hint="run that step in those layers (again, with a corrected input, where one raised: rows of "
-                         "a request you then free may be zeros), or free() the request and prefill it again; "
-                         "after writing the rows yourself or replaying a CUDA graph of the layers: "
-                         "cache.mark_written(step)")
+                         "a request you free may be zeros; it still runs after its other requests were freed, "
+                         "until the next plan), or free() the request and prefill it again; after writing the "
+                         "rows yourself or replaying a CUDA graph of the layers: cache.mark_written(step)")
 
         plans = {}
         for name, group in self.groups.items():
@@ -348,6 +356,7 @@ class PagedKVCache:
             live = set(self._epochs.values())
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
+        self._planned = self._serial
         return Step(metadata, self, self._serial)
 
     def _undo_plan(self, ids: list, plans: dict, released: dict, before: tuple) -> None:
@@ -446,9 +455,6 @@ class PagedKVCache:
 
 # -- argument checks (SPEC §12: name the argument, what was expected and what came) ------------------
 
-_SPEC_GROUPS = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
-
-
 def _hashable(value: object) -> bool:
     try:
         hash(value)
@@ -469,23 +475,6 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 
 _MAX_SLOTS = 2**31  # slots a pool may have: 0 .. 2**31 - 1 fit the int32 index rows (SPEC §10)
-
-
-def _pages_per_group(num_blocks: int | dict[str, int], wanted: list[str]) -> dict[str, int]:
-    """``{group: pages}`` for the ``wanted`` groups from an int or a dict (unknown keys refused)."""
-    if isinstance(num_blocks, dict):
-        unknown = sorted(set(num_blocks) - set(_SPEC_GROUPS), key=str)
-        if unknown:
-            raise DSV4ValueError.of("num_blocks", f"keys among {sorted(_SPEC_GROUPS)}", unknown)
-        sizes = {name: num_blocks.get(name) for name in wanted}
-    else:
-        sizes = dict.fromkeys(wanted, num_blocks)
-    for name, n in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            what = "missing" if n is None else f"{type(n).__name__} {n!r}"
-            raise DSV4ValueError.of(f"num_blocks[{name!r}]", "a positive int", what)
-        sizes[name] = int(n)
-    return sizes
 
 
 def _check_requests(requests: object) -> None:

@@ -102,6 +102,8 @@ class Compressor(nn.Module):
         order, on the tensor cores instead of fp32 FMA (H200, V4-Flash, 64 tokens: see docs/triton.md).
         """
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._captured = True  # graphs now hold the derived copy: see _keep_path
         if (x.dtype == torch.bfloat16 and compute == torch.float32
                 and x.device.type in batch_invariant.MM_OUT_FP32_DEVICES):
             twin = self._bf16_twin()
@@ -147,11 +149,19 @@ class Compressor(nn.Module):
                 twin = torch.cat([wkv, wgate], 0).to(torch.bfloat16)
                 exact = torch.equal(twin[: wkv.shape[0]].to(wkv.dtype), wkv) and \
                     torch.equal(twin[wkv.shape[0]:].to(wgate.dtype), wgate)
+                self._keep_path(exact)
                 twin = _into(self.__dict__.get("_twin"), twin) if exact else None
             self._twin, self._twin_key = twin, key
             if exact:  # the fp32 copy is not needed on this path
                 self._fused, self._fused_key = None, None
         return self._twin
+
+    def _keep_path(self, exact: bool) -> None:
+        """After a capture, refuse weights that move between the bf16-twin and fp32 paths (a graph reads the
+        old path's copy, which no rebuild in place can serve)."""
+        twin, fused = self.__dict__.get("_twin"), self.__dict__.get("_fused")
+        if self.__dict__.get("_captured") and (twin is not None or fused is not None) and exact != (twin is not None):
+            raise _path_switch_error()
 
     def _fused_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[Wkv; Wgate]`` in ``dtype``, built once per weight version, not on every step.
@@ -170,6 +180,13 @@ class Compressor(nn.Module):
                 self._fused = _into(self.__dict__.get("_fused"), fused)
             self._fused_key = key
         return self._fused
+
+
+def _path_switch_error() -> DSV4ValueError:
+    return DSV4ValueError.of(
+        "compressor weights", "the same GEMM path as when a CUDA graph was captured (bf16-exact values on the "
+        "bf16 path, others on the fp32 path)", "weights that switch path",
+        hint="a captured graph keeps the old path's copy: capture the graphs again after this weight update")
 
 
 def _into(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -384,7 +401,8 @@ class Attention(nn.Module):
         except BaseException:
             cache.mark_unwritten(step, self.layer_id)
             raise
-        cache.mark_written(step, self.layer_id)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # a capture runs no kernel: the
+            cache.mark_written(step, self.layer_id)  # caller marks the step after a replay (mark_written)
         return out
 
     def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None) -> torch.Tensor:

@@ -15,11 +15,16 @@ before any request allocates (:meth:`append`).
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 
 import torch
+from dsv4.specs.errors import DSV4ValueError
 
-__all__ = ["BlockPool", "PageTable"]
+__all__ = ["SPEC_GROUPS", "BlockPool", "PageTable", "pages_per_group"]
+
+# the cache's group names -> SPEC §9 geometry group names
+SPEC_GROUPS = {"swa": "swa", "c4": "c4_kv", "c128": "c128_kv", "state4": "c4_state", "state128": "c128_state"}
 
 
 class PageTable:
@@ -160,3 +165,20 @@ class BlockPool:
             pages = torch.cat([t.pages[t.first_live:t.length] for _, t in live])
             out[rows.to(device), cols.to(device)] = pages.to(device)
         return out
+
+
+def pages_per_group(num_blocks: int | dict[str, int], wanted: list[str]) -> dict[str, int]:
+    """``{group: pages}`` for the ``wanted`` groups from an int or a dict (unknown keys refused)."""
+    if isinstance(num_blocks, dict):
+        unknown = sorted(set(num_blocks) - set(SPEC_GROUPS), key=str)
+        if unknown:
+            raise DSV4ValueError.of("num_blocks", f"keys among {sorted(SPEC_GROUPS)}", unknown)
+        sizes = {name: num_blocks.get(name) for name in wanted}
+    else:
+        sizes = dict.fromkeys(wanted, num_blocks)
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            what = "missing" if n is None else f"{type(n).__name__} {n!r}"
+            raise DSV4ValueError.of(f"num_blocks[{name!r}]", "a positive int", what)
+        sizes[name] = int(n)
+    return sizes

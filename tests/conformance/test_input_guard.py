@@ -72,6 +72,9 @@ def test_multi_step_inputs_are_named_with_their_step_and_differential_mode_guard
         reg.register_backend(backend)
     diff = run_differential("reference", "ape-scaled", [case], seed=1, registry=reg, far=False)
     assert diff.rows[0].metrics["inputs"]["modified"] == ["ape (step 0)"]
+    flipped = run_differential("ape-scaled", "reference", [case], seed=1, registry=reg, far=False)
+    assert flipped.rows[0].outcome == "failed"  # A's outputs are the expected values: A is guarded too
+    assert flipped.rows[0].metrics["inputs_ape-scaled"]["modified"] == ["ape (step 0)"]
 
 
 def test_the_far_guard_copies_the_case_pages_not_the_pad():

@@ -257,3 +257,24 @@ def test_a_step_some_layer_has_not_run_blocks_the_next_plan_of_its_requests():
         cache.plan_step([StepRequest("b", 1)])
     cache.mark_written(dropped)
     cache.plan_step([StepRequest("b", 1)])
+
+
+def test_a_step_whose_other_request_was_freed_can_still_run_for_the_rest():
+    """An engine aborts request a of an unfinished step: the step still runs for b (a's pages are free,
+    nothing planned since), which releases b. After another plan it can no longer run, and
+    mark_written on it is refused rather than declaring unwritten rows written."""
+    from _layer_helpers import tiny_layer, tiny_x
+
+    cache = PagedKVCache(CFG, [0], num_blocks=64)
+    attn = tiny_layer(0)
+    step = cache.plan_step([StepRequest("a", 5), StepRequest("b", 5)])
+    cache.free("a")
+    with pytest.raises(DSV4ValueError, match=r"requests\['b'\]: .*still to run step"):
+        cache.plan_step([StepRequest("b", 1)])
+    attn(tiny_x(10), step)
+    cache.plan_step([StepRequest("b", 1)])
+    other = cache.plan_step([StepRequest("c", 5), StepRequest("d", 5)])
+    cache.free("c")
+    cache.plan_step([StepRequest("e", 3)])
+    with pytest.raises(StaleStepError):
+        cache.mark_written(other)

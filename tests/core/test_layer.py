@@ -254,3 +254,29 @@ def test_weights_written_through_data_are_used_after_refresh_weights(layer_id):
     for mine, theirs in zip(attn.parameters(), tiny_layer(layer_id, seed=2).parameters()):
         mine.copy_(theirs)  # versioned: seen on the next forward
     assert torch.equal(_run(attn, x, [300]), _run(tiny_layer(layer_id, seed=2), x, [300]))
+
+
+@torch.no_grad()
+def test_weights_that_switch_gemm_path_after_a_capture_are_refused(monkeypatch):
+    """The bf16-twin path (bf16-exact fp32 weights) and the fp32 path keep different derived copies; a graph
+    captured on one cannot be served by rebuilding the other, so after a capture such an update is refused
+    (before it, the layer just changes path). The twin path is turned on for the CPU here."""
+    from dsv4 import batch_invariant
+    from dsv4.layer import Compressor
+
+    monkeypatch.setattr(batch_invariant, "MM_OUT_FP32_DEVICES", (*batch_invariant.MM_OUT_FP32_DEVICES, "cpu"))
+    monkeypatch.setattr(batch_invariant, "mm_fp32_out", lambda x, w: x.float() @ w.float().T)
+    for captured in (False, True):
+        attn = tiny_layer(2)
+        c: Compressor = attn.compressor
+        c.kv_score(tiny_x(3))
+        assert c._twin is not None  # reset_parameters writes bf16 values
+        c._captured = captured
+        c.wkv.weight.data.add_(1e-4)  # an RL sync: fp32 values, no longer bf16-exact
+        if captured:
+            with pytest.raises(DSV4ValueError, match="compressor weights: .*same GEMM path.*capture the graphs again"):
+                attn.refresh_weights()
+        else:
+            attn.refresh_weights()
+            assert c._twin is None and torch.equal(c.kv_score(tiny_x(3)), tiny_x(3).float() @ torch.cat(
+                [c.wkv.weight, c.wgate.weight]).T)
