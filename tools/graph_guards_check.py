@@ -7,7 +7,8 @@
 3. the backends selected during capture (``Capabilities.cuda_graphs``) are the ones eager selects;
 4. an engine's decode loop: capture step 1, then for steps 2 and 3 plan the same requests again, copy the
    new metadata into the captured buffers, replay and ``mark_written(step)``; step 3's replay equals an
-   eager forward of step 3 (and planning after a replay without ``mark_written`` is refused).
+   eager forward of step 3 (planning after a replay without ``mark_written`` is refused, and a capture
+   alone leaves its step pending).
 
     python3 tools/graph_guards_check.py [--batch 8] [--context 1024]
 """
@@ -77,7 +78,7 @@ def capture_selects_as_eager(cfg: ModelConfig, layer_id: int, batch: int, contex
 def engine_decode_loop(cfg: ModelConfig, layer_id: int, batch: int, context: int) -> tuple[bool, str]:
     first = decode_step(cfg, [layer_id], batch, context, "cuda")
     cache = first.cache
-    attn, = make_layers(cfg, layer_id, "auto", 1, context + 4)
+    attn, = make_layers(cfg, layer_id, "auto", 1, context + 6)
     x = torch.randn(batch, cfg.hidden_size, device="cuda").bfloat16()
     requests = [StepRequest(i, 1) for i in range(batch)]
     with torch.no_grad():
@@ -95,9 +96,21 @@ def engine_decode_loop(cfg: ModelConfig, layer_id: int, batch: int, context: int
         _copy_metadata_(first.metadata, third.metadata)
         got = replay().clone()
         want = attn(x, third)
-    ok = refused and bool(torch.equal(got, want))
-    return ok, (f"unmarked plan refused {refused}; step 3 replay vs eager max abs diff "
-                f"{(got.float() - want.float()).abs().max().item():.3g}")
+        fourth = cache.plan_step(requests)  # captured straight away (kernels warm): a capture marks nothing
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attn(x, fourth)
+        try:
+            cache.plan_step(requests)
+            capture_marked = True
+        except DSV4ValueError:
+            capture_marked = False
+        graph.replay()
+        cache.mark_written(fourth)
+        cache.plan_step(requests)
+    ok = refused and not capture_marked and bool(torch.equal(got, want))
+    return ok, (f"unmarked plan refused {refused}; capture left the step pending {not capture_marked}; step 3 "
+                f"replay vs eager max abs diff {(got.float() - want.float()).abs().max().item():.3g}")
 
 
 def main() -> int:
