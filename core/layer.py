@@ -29,6 +29,7 @@ from dsv4.layer_checks import (
     validate_backends,
 )
 from dsv4.layer_dispatch import DirectOps, direct_calls, resolve_backends
+from dsv4.ops.dispatch import capturing as capturing_on
 from dsv4.rope import rope_cos_sin
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
@@ -102,8 +103,6 @@ class Compressor(nn.Module):
         order, on the tensor cores instead of fp32 FMA (H200, V4-Flash, 64 tokens: see docs/triton.md).
         """
         compute = torch.promote_types(x.dtype, self.wkv.weight.dtype)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._captured = True  # graphs now hold the derived copy: see _keep_path
         if (x.dtype == torch.bfloat16 and compute == torch.float32
                 and x.device.type in batch_invariant.MM_OUT_FP32_DEVICES):
             twin = self._bf16_twin()
@@ -320,7 +319,8 @@ class Attention(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool) -> DirectOps | ModuleType:
+    def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool,
+               capturing: bool) -> DirectOps | ModuleType:
         """Everything that can reject the call, before the first cache write (SPEC §12). Returns what runs
         the ops: ``dsv4.ops``, or the selected backends called directly (``dsv4.layer_dispatch``)."""
         md = step.metadata
@@ -344,7 +344,7 @@ class Attention(nn.Module):
                                     f"NaN/Inf in token rows {bad[:8].tolist()} (requests {owners[:8]})",
                                     hint="nothing was written; run the step again with finite rows (zeros for "
                                          "a request you will free), or free its requests")
-        direct = resolve_backends(self, x, step, attends)
+        direct = resolve_backends(self, x, step, attends, capturing)
         return direct if direct_calls(x) else ops
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
@@ -396,16 +396,18 @@ class Attention(nn.Module):
         corrected input, or free the requests; the next ``plan_step`` including them refuses otherwise.
         """
         cache = check_step(step)
+        capturing = isinstance(x, torch.Tensor) and capturing_on(x.device)  # asked once a forward
         try:
-            out = self._forward(x, step, cache, rows)
+            out = self._forward(x, step, cache, rows, capturing)
         except BaseException:
             cache.mark_unwritten(step, self.layer_id)
             raise
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # a capture runs no kernel: the
-            cache.mark_written(step, self.layer_id)  # caller marks the step after a replay (mark_written)
+        if not capturing:  # a capture runs no kernel: the caller marks the step after a replay
+            cache.mark_written(step, self.layer_id)
         return out
 
-    def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None,
+                 capturing: bool) -> torch.Tensor:
         T = step.metadata.num_tokens
         if rows is None:
             lo, hi = 0, T
@@ -414,13 +416,16 @@ class Attention(nn.Module):
             hi = max(lo, hi)
         else:
             raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
-        calls = self._check(x, step, cache, attends=hi > lo)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        calls = self._check(x, step, cache, hi > lo, capturing)
+        if capturing:
             if not self.__dict__.get("_positions_reserved"):
                 raise DSV4ValueError.of(
                     "attn.reserve_positions", "a call before a CUDA graph is captured (the table a graph reads "
                     "cannot grow on replay)", "no call", hint="call attn.reserve_positions(max_model_len) first")
             self._graph_captured = True
+            for module in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+                if module is not None:  # graphs now hold its derived copy: see Compressor._keep_path
+                    module._captured = True
         self._grow_rope(step.metadata.max_seq_len)
         cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
         kv_format = step.cache.kv_format

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from dsv4.backend import Backend
 from dsv4.cache import PagedKVCache, Step
-from dsv4.ops.dispatch import capturing, eager_untraced, record, recording, resolve
+from dsv4.ops.dispatch import eager_untraced, record, recording, resolve
 from dsv4.ops.library import request_fields
 from dsv4.ops.validate import device_value_checks
 from dsv4.registry import get_registry
@@ -47,15 +47,16 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool) -> DirectOps:
+def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool, capturing: bool) -> DirectOps:
     """The selected backend of every op call this forward makes, as :class:`DirectOps` (``chosen``:
     ``{role: backend}``, roles the op names and ``indexer_keys`` for the indexer's ``compress_insert``),
     selected before anything is written: a backend that cannot run
     (or a bad ``DSV4_BACKEND``) raises here.
 
     attends: the forward runs the indexer's scoring, attention and the output projection (a non-empty
-    row range); otherwise only the cache writes run. The selection is made once per layer and key: the
-    key holds every request field's source (device, whether a CUDA graph is being captured, dtype, cache formats, rows, HCA width, the layer's
+    row range); otherwise only the cache writes run. capturing: a CUDA graph is being captured (the
+    layer asks once a forward). The selection is made once per layer and key: the key holds every
+    request field's source (device, capture, dtype, cache formats, rows, HCA width, the layer's
     profile and config), the registry's generation (a backend registered or removed), ``DSV4_BACKEND`` and
     the layer's ``backends`` (a ``Backend`` instance by identity: it need not be hashable). An unregistered
     instance's ``probe`` and ``not_supported_reasons`` are therefore asked once per key, not every forward.
@@ -64,7 +65,7 @@ def resolve_backends(attn: Attention, x: torch.Tensor, step: Step, attends: bool
     hca_width = (md.ratios[attn.kind.ratio].hca_indices.shape[1]
                  if attends and attn.compressor is not None and attn.indexer is None else None)
     registry = get_registry()
-    key = (x.device, capturing(x.device), x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width,
+    key = (x.device, capturing, x.dtype, cache.kv_format, cache.indexer_key_format, attends, hca_width,
            attn.profile,
            id(attn.cfg), registry.generation, os.environ.get("DSV4_BACKEND", ""),
            tuple((op, b if isinstance(b, str) else id(b)) for op, b in attn.backends.items()))

@@ -225,12 +225,14 @@ class Registry:
         failed = [s.name for s in self.plugin_statuses() if s.state == "failed"]
         return f"plugins that failed to load: {', '.join(failed)}" if failed else ""
 
-    def get(self, name: str) -> Backend:
-        """The backend called ``name``; ``NoBackendError`` names every registered one otherwise."""
+    def get(self, name: str, argument: str = "backend") -> Backend:
+        """The backend called ``name``; ``NoBackendError`` names ``argument`` and every registered one
+        otherwise."""
         try:
             return self._backends[name]
         except KeyError:
-            raise NoBackendError.of("backend", f"one of {', '.join(self.backend_names()) or '(none)'}",
+            expected = f"one of {', '.join(self.backend_names()) or '(none)'}"
+            raise NoBackendError.of(argument, expected if argument == "backend" else f"auto or {expected}",
                                     name, hint=self.failed_plugins_hint()) from None
 
     def probe(self, name: str) -> list[str]:
@@ -284,10 +286,7 @@ class Registry:
         if explicit is not None:
             chosen = self._forced(request, self.get(explicit), "argument backend")
         elif env is not None and env != "auto":
-            if env not in self._backends:
-                raise NoBackendError.of("DSV4_BACKEND", f"auto or one of {', '.join(self.backend_names()) or '(none)'}",
-                                        env, hint=self.failed_plugins_hint())
-            chosen = self._forced(request, self.get(env), "DSV4_BACKEND")
+            chosen = self._forced(request, self.get(env, "DSV4_BACKEND"), "DSV4_BACKEND")
         else:
             chosen = self._first_fit(request)
         if self.generation == generation:  # a backend registered or removed meanwhile (another thread)

@@ -187,16 +187,16 @@ def test_a_backend_instance_needs_no_hash_and_copies_keep_the_registry_backends(
 
 @torch.no_grad()
 def test_selection_under_graph_capture_takes_only_capturable_backends(monkeypatch):
-    """While a CUDA graph is captured (``dispatch.capturing``) the request says so and a backend whose
+    """While a CUDA graph is captured (``dispatch.capturing``, asked once a forward) the request says so and a backend whose
     capabilities are not graph-safe (the reference: it syncs) is refused before any write; the memo keys
     on it, so the eager selection made before is not reused and the eager one after still runs."""
-    import dsv4.layer_dispatch as dispatch_module
+    import dsv4.layer as layer_module
 
     attn = tiny_layer(2)
     cache = PagedKVCache(CFG, [2], num_blocks=64)
     attn(tiny_x(3, seed=0), cache.plan_step([StepRequest("a", 3)]))
     monkeypatch.setattr("dsv4.ops.dispatch.capturing", lambda device: True)
-    monkeypatch.setattr(dispatch_module, "capturing", lambda device: True)
+    monkeypatch.setattr(layer_module, "capturing_on", lambda device: True)
     step = cache.plan_step([StepRequest("a", 1)])
     before = {name: t.clone() for name, t in cache.layer(2).tensors().items()}
     with pytest.raises(DSV4Error, match="not capturable under CUDA graphs"):
