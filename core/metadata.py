@@ -10,6 +10,7 @@ Slot convention (SPEC §10): logical index ``i`` of a request in a group with pa
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ __all__ = [
     "RatioMetadata",
     "StepMetadata",
     "closing_windows_in_call",
+    "copy_metadata_",
     "dense_compressed_indices",
     "round_up",
     "slots_from_block_table",
@@ -212,3 +214,22 @@ def dense_compressed_indices(
     indices = per_request.index_select(0, token_request.to(device=device, dtype=torch.long))
     indices.masked_fill_(cols[None, :] >= visible[:, None], -1)
     return indices, visible.to(torch.int32)
+
+
+def copy_metadata_(dst: StepMetadata, src: StepMetadata) -> None:
+    """Every tensor of step metadata ``src`` into ``dst``'s, in place: how an engine feeds a CUDA graph,
+    captured with ``dst``'s step, the next step (then ``cache.mark_written(step)`` after the replay).
+    Shapes must agree (same batch rows and widths); host-side values are not graph inputs and stay."""
+    for f in dataclasses.fields(dst):
+        a, b = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(a, torch.Tensor):
+            if a.shape != b.shape:
+                raise DSV4ValueError.of(f"src.{f.name}", f"shape {tuple(a.shape)} (the captured step's)",
+                                        f"shape {tuple(b.shape)}")
+            a.copy_(b)
+        elif dataclasses.is_dataclass(a):
+            copy_metadata_(a, b)
+        elif isinstance(a, dict):  # ratios; host-side memos (windows_in_step) are not graph inputs
+            for k in a:
+                if dataclasses.is_dataclass(a[k]):
+                    copy_metadata_(a[k], b[k])

@@ -16,6 +16,7 @@ import time
 import torch
 from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
 from dsv4.codecs import get_codec
+from dsv4.metadata import copy_metadata_
 from dsv4.ops.dispatch import record_selections
 from dsv4.specs.layer_kinds import LayerKind
 
@@ -139,25 +140,6 @@ def make_layers(cfg: ModelConfig, layer_id: int, backends: str, count: int, cont
     return attns
 
 
-def _copy_metadata_(dst, src) -> None:
-    """Every tensor of step metadata ``src`` into ``dst``'s (same shapes): how an engine feeds a captured
-    graph a new step."""
-    import dataclasses
-
-    for f in dataclasses.fields(dst):
-        a, b = getattr(dst, f.name), getattr(src, f.name)
-        if isinstance(a, torch.Tensor):
-            if a.shape != b.shape:
-                raise ValueError(f"{f.name}: shape {tuple(b.shape)} where the captured step has {tuple(a.shape)}")
-            a.copy_(b)
-        elif dataclasses.is_dataclass(a):
-            _copy_metadata_(a, b)
-        elif isinstance(a, dict):  # ratios; host-side memos (windows_in_step) are not graph inputs
-            for k in a:
-                if dataclasses.is_dataclass(a[k]):
-                    _copy_metadata_(a[k], b[k])
-
-
 def two_decode_steps(cfg: ModelConfig, layer_id: int, batch: int, context: int, device: str):
     """Two decode steps of ``batch`` requests each on one filled cache, with the same metadata shapes (the
     same context lengths) in another order, so other lens values row by row."""
@@ -185,7 +167,7 @@ def graph_new_step(batch: int, context: int, backends: str, layers: int = 2, pre
         attns = make_layers(cfg, layer_id, backends, layers, context)
         with torch.no_grad():
             replay = _graph(lambda attns=attns, x=x, step=step_a: [attn(x, step) for attn in attns][-1])
-            _copy_metadata_(step_a.metadata, step_b.metadata)
+            copy_metadata_(step_a.metadata, step_b.metadata)
             graph_out = replay().clone()
             eager_out = [attn(x, step_b) for attn in attns][-1]
         rows.append({"layer": f"{kind.name} {layer_id}", "backends": backends, "layers": layers,

@@ -18,8 +18,9 @@ import argparse
 import sys
 
 import torch
-from bench_layer import _copy_metadata_, _graph, decode_step, make_layers
+from bench_layer import _graph, decode_step, make_layers
 from dsv4 import Attention, ModelConfig, StepRequest
+from dsv4.metadata import copy_metadata_
 from dsv4.ops.dispatch import record_selections
 from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
@@ -84,7 +85,7 @@ def engine_decode_loop(cfg: ModelConfig, layer_id: int, batch: int, context: int
     with torch.no_grad():
         replay = _graph(lambda: attn(x, first))  # the capture's Python forward ran the first step
         second = cache.plan_step(requests)
-        _copy_metadata_(first.metadata, second.metadata)
+        copy_metadata_(first.metadata, second.metadata)
         replay()
         try:
             cache.plan_step(requests)
@@ -93,7 +94,7 @@ def engine_decode_loop(cfg: ModelConfig, layer_id: int, batch: int, context: int
             refused = "mark_written" in str(exc)
         cache.mark_written(second)
         third = cache.plan_step(requests)
-        _copy_metadata_(first.metadata, third.metadata)
+        copy_metadata_(first.metadata, third.metadata)
         got = replay().clone()
         want = attn(x, third)
         fourth = cache.plan_step(requests)  # captured straight away (kernels warm): a capture marks nothing

@@ -38,7 +38,7 @@ class BF16Scaled(AfterSwaWrite):
         _rescale(swa_cache, swa_slot_mapping, kv_format, 1.06)
 
 
-class PaddingWritten(ReferenceBackend):
+class PaddingWritten(AfterSwaWrite):
     """fp8_ds_mla: writes 0xAB into the scale pad byte of each written slot (``pad``) or into the page
     tail past the rows (``tail``); every field byte stays the reference's."""
 
@@ -47,17 +47,13 @@ class PaddingWritten(ReferenceBackend):
     def __init__(self, where: str) -> None:
         self.where = where
 
-    def qnorm_rope_insert(self, q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, *, kv_format, eps,
-                          profile="deepseek"):
-        out = super().qnorm_rope_insert(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping,
-                                        kv_format=kv_format, eps=eps, profile=profile)
+    def corrupt(self, swa_cache, swa_slot_mapping, kv_format):
         fmt, block = get_format(kv_format), get_codec(kv_format).block_size_of(swa_cache)
         if self.where == "pad":
             for slot in swa_slot_mapping[swa_slot_mapping >= 0].tolist():
                 swa_cache[slot // block, fmt.scale_offset(block, slot % block) + fmt.scale_bytes] = 0xAB
         else:
             swa_cache[:, fmt.page_bytes(block):] = 0xAB
-        return out
 
 
 def _run(backend, keyword):

@@ -20,3 +20,13 @@ def tiny_layer(layer_id: int, *, backends="reference", dtype: torch.dtype = torc
 def tiny_x(n: int, *, seed: int = 1, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``[n, hidden]`` normal rows from ``seed`` in ``dtype``."""
     return torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def snapshot(cache) -> dict:
+    """A copy of every storage tensor of ``cache`` (``{(layer_id, name): tensor}``)."""
+    return {(lid, name): t.clone() for lid, lc in cache.layers.items() for name, t in lc.tensors().items()}
+
+
+def same_bytes(a: dict, b: dict) -> bool:
+    """Two snapshots hold the same bytes (NaN bytes included)."""
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

@@ -1,7 +1,7 @@
 """The layer (SPEC §3): official names, chunking invariance, mixed batches, ideal vs serving, SPEC §12 errors."""
 import pytest
 import torch
-from _layer_helpers import CFG, tiny_layer, tiny_x
+from _layer_helpers import CFG, same_bytes, snapshot, tiny_layer, tiny_x
 from dsv4 import Attention, PagedKVCache, StepRequest
 from dsv4.conformance.layer_golden import judge_rows, row_cosine
 from dsv4.specs.errors import CacheLayoutError, DSV4Error, DSV4TypeError, DSV4ValueError
@@ -95,17 +95,13 @@ def test_serving_numerics_track_the_float64_ideal(layer_id):
     assert cos.min() >= 0.999, float(cos.min())
 
 
-def _snapshot(cache: PagedKVCache) -> dict:
-    return {(lid, name): t.clone() for lid, lc in cache.layers.items() for name, t in lc.tensors().items()}
-
-
 def test_rejected_calls_raise_named_errors_and_leave_cache_bytes_alone():
     attn = tiny_layer(1)
     cache = PagedKVCache(CFG, [1], num_blocks=64)
     with torch.no_grad():
         attn(tiny_x(40), cache.plan_step([StepRequest("r", 40)]))
     step = cache.plan_step([StepRequest("r", 3)])
-    before = _snapshot(cache)
+    before = snapshot(cache)
     bad_nan = tiny_x(3)
     bad_nan[1, 7] = float("nan")
     cases = [
@@ -122,8 +118,7 @@ def test_rejected_calls_raise_named_errors_and_leave_cache_bytes_alone():
     other = Attention(CFG, 1, profile="vllm", backends="reference")
     with pytest.raises(CacheLayoutError, match="profile: expected 'deepseek'"):
         other(tiny_x(3), step)
-    after = _snapshot(cache)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_bytes(before, snapshot(cache))
     assert issubclass(CacheLayoutError, DSV4Error)
 
 
@@ -217,9 +212,7 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
         seen.clear()
         with torch.no_grad():
             for seed in (0, 1):  # two layers of the kind (the same id and cache layer, their own parameters)
-                attn = Attention(CFG, layer_id, backends={"sparse_attention": Spy()})
-                attn.reset_parameters(torch.Generator().manual_seed(seed))
-                attn(tiny_x(4), step)
+                tiny_layer(layer_id, backends={"sparse_attention": Spy()}, seed=seed)(tiny_x(4), step)
         (swa_a, swa_lens_a, extra_a, picks), (swa_b, swa_lens_b, extra_b, _) = seen
         assert swa_a is swa_b is md.swa_indices and swa_lens_a is swa_lens_b is md.swa_lens
         assert extra_a is extra_b is lens, layer_id

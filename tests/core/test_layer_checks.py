@@ -3,18 +3,10 @@ and what a rejected forward leaves behind. Every rejection must leave every cach
 import numpy as np
 import pytest
 import torch
-from _layer_helpers import CFG, tiny_layer, tiny_x
+from _layer_helpers import CFG, same_bytes, snapshot, tiny_layer, tiny_x
 from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
 from dsv4.cache import StaleStepError
 from dsv4.specs.errors import CacheLayoutError, DSV4Error, DSV4TypeError, DSV4ValueError
-
-
-def _snapshot(cache: PagedKVCache) -> dict:
-    return {(lid, name): t.clone() for lid, lc in cache.layers.items() for name, t in lc.tensors().items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
 
 @torch.no_grad()
@@ -26,10 +18,10 @@ def test_stale_step_is_refused_before_it_overwrites_another_requests_pages():
     new = cache.plan_step([StepRequest("other", 10)])  # reuses the victim's page
     assert torch.equal(old.metadata.swa_slot_mapping, new.metadata.swa_slot_mapping)
     attn(tiny_x(10, seed=5), new)
-    before = _snapshot(cache)
+    before = snapshot(cache)
     with pytest.raises(StaleStepError, match="stale step: request 'victim' was freed"):
         attn(tiny_x(10, seed=9), old)
-    assert _same(before, _snapshot(cache))
+    assert same_bytes(before, snapshot(cache))
     attn(tiny_x(1, seed=6), cache.plan_step([StepRequest("other", 1)]))  # not marked: a stale step marks nothing
 
 
@@ -40,10 +32,10 @@ def test_every_layer_may_run_the_latest_step_and_a_rerun_writes_the_same_bytes()
     step = cache.plan_step([StepRequest("r", 50)])
     x = tiny_x(50)
     first = [attn(x, step) for attn in layers]
-    after_first = _snapshot(cache)
+    after_first = snapshot(cache)
     second = [attn(x, step) for attn in layers]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert _same(after_first, _snapshot(cache))
+    assert same_bytes(after_first, snapshot(cache))
 
 
 @torch.no_grad()
@@ -88,10 +80,10 @@ def test_a_backend_that_cannot_run_the_step_is_refused_before_any_write(layer_id
     attn = tiny_layer(layer_id, backends=backends)
     cache = PagedKVCache(CFG, [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 40)])
-    before = _snapshot(cache)
+    before = snapshot(cache)
     with pytest.raises(DSV4Error, match="flashmla"):
         attn(tiny_x(40), step)
-    assert _same(before, _snapshot(cache))
+    assert same_bytes(before, snapshot(cache))
 
 
 @pytest.mark.parametrize("layer_id", [0, 1, 2])
@@ -100,11 +92,11 @@ def test_layer_cast_to_bf16_names_the_fp32_parameter(layer_id):
     attn = tiny_layer(layer_id).to(torch.bfloat16)
     cache = PagedKVCache(CFG, [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 20)])
-    before = _snapshot(cache)
+    before = snapshot(cache)
     with pytest.raises(DSV4TypeError, match=r"layer parameter attn_sink.*expected dtype torch.float32.*"
                                             r"got torch.bfloat16; .*cast the input x"):
         attn(tiny_x(20), step)
-    assert _same(before, _snapshot(cache))
+    assert same_bytes(before, snapshot(cache))
 
 
 @pytest.mark.parametrize("path, name", [("indexer.compressor.norm", "indexer.compressor.norm.weight"),
@@ -121,10 +113,10 @@ def test_a_submodule_replaced_after_a_forward_by_a_bf16_one_is_refused(path, nam
     parent = attn.get_submodule(owner) if owner else attn
     setattr(parent, attr, copy.deepcopy(getattr(parent, attr)).bfloat16())
     step = cache.plan_step([StepRequest("r", 1)])
-    before = _snapshot(cache)
+    before = snapshot(cache)
     with pytest.raises(DSV4TypeError, match=rf"layer parameter {name.replace('.', '[.]')}: expected dtype torch.float32"):
         attn(tiny_x(1), step)
-    assert _same(before, _snapshot(cache))
+    assert same_bytes(before, snapshot(cache))
 
 
 @pytest.mark.parametrize("layer_id, cache_cfg, message", [
@@ -138,10 +130,10 @@ def test_cache_built_from_another_config_is_refused(layer_id, cache_cfg, message
     attn = tiny_layer(layer_id)
     cache = PagedKVCache(ModelConfig(**{**CFG.model_dump(), **cache_cfg}), [layer_id], num_blocks=64)
     step = cache.plan_step([StepRequest("r", 200)])
-    before = _snapshot(cache)
+    before = snapshot(cache)
     with pytest.raises(CacheLayoutError, match=message):
         attn(tiny_x(200), step)
-    assert _same(before, _snapshot(cache))
+    assert same_bytes(before, snapshot(cache))
 
 
 def test_non_tensor_input_is_a_named_error():

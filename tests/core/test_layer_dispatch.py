@@ -2,7 +2,7 @@
 value checks it calls the selected backends directly, with the same bits as through dsv4.ops."""
 import pytest
 import torch
-from _layer_helpers import CFG, tiny_layer, tiny_x
+from _layer_helpers import CFG, same_bytes, snapshot, tiny_layer, tiny_x
 from dsv4 import Attention, PagedKVCache, StepRequest, layer_dispatch, ops
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.ops.dispatch import record_selections
@@ -198,10 +198,9 @@ def test_selection_under_graph_capture_takes_only_capturable_backends(monkeypatc
     monkeypatch.setattr("dsv4.ops.dispatch.capturing", lambda device: True)
     monkeypatch.setattr(layer_module, "capturing_on", lambda device: True)
     step = cache.plan_step([StepRequest("a", 1)])
-    before = {name: t.clone() for name, t in cache.layer(2).tensors().items()}
+    before = snapshot(cache)
     with pytest.raises(DSV4Error, match="not capturable under CUDA graphs"):
         attn(tiny_x(1, seed=1), step)
-    assert all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8))
-               for n, t in cache.layer(2).tensors().items())
+    assert same_bytes(before, snapshot(cache))
     monkeypatch.undo()
     attn(tiny_x(1, seed=1), step)

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_layer as tool
 from dsv4 import ModelConfig
+from dsv4.metadata import copy_metadata_
 
 
 @pytest.mark.parametrize("layer_id, context", [(1, 40), (2, 600)])  # tiny: 1 CSA (top-8), 2 HCA
@@ -21,10 +22,10 @@ def test_two_decode_steps_fit_one_graph_and_copy_whole(layer_id, context):
     r = cfg.compress_ratio(layer_id)
     lens = (lambda m: m.ratios[r].topk_lens) if r == 4 else (lambda m: m.ratios[r].hca_lens)
     assert not torch.equal(lens(a), lens(b)) and not torch.equal(a.positions, b.positions)
-    tool._copy_metadata_(a, b)
+    copy_metadata_(a, b)
     assert torch.equal(a.positions, b.positions) and torch.equal(a.swa_indices, b.swa_indices)
     assert torch.equal(lens(a), lens(b)) and torch.equal(a.ratios[r].compressed.block_table,
                                                          b.ratios[r].compressed.block_table)
     short = tool.two_decode_steps(cfg, layer_id, batch=5, context=context, device="cpu")[0]
     with pytest.raises(ValueError, match="shape"):
-        tool._copy_metadata_(a, short.metadata)
+        copy_metadata_(a, short.metadata)

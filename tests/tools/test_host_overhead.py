@@ -42,7 +42,7 @@ def test_each_mode_takes_the_path_it_names(monkeypatch):
     backend call from dsv4.ops._call itself (seen by who calls dsv4.ops.library.run_backend)."""
     import dsv4.layer_dispatch
     import dsv4.ops
-    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+    from dsv4 import ModelConfig, PagedKVCache, StepRequest
 
     callers = []
     real = dsv4.ops.library.run_backend
@@ -53,8 +53,7 @@ def test_each_mode_takes_the_path_it_names(monkeypatch):
 
     monkeypatch.setattr(dsv4.ops.library, "run_backend", spy)
     cfg = ModelConfig.preset("tiny")
-    attn = Attention(cfg, 1, backends="reference")
-    attn.reset_parameters(torch.Generator().manual_seed(0))
+    (attn,) = tool.make_layers(cfg, 1, "reference", 1, 9, "cpu")
     cache = PagedKVCache(cfg, [1], num_blocks=64)
     x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     seen = {}
