@@ -299,6 +299,16 @@ _FORMATS: dict[str, type[CacheFormat]] = {
 _DEFAULTS = {name: cls() for name, cls in _FORMATS.items()}
 
 
+# Formats that store exactly another format's values in other byte places (SPEC §9.2: converting A5 <->
+# fp8_ds_mla is a lossless permutation); every other format stores only its own.
+_SAME_VALUES = {"ascend_a5": "fp8_ds_mla"}
+
+
+def value_format(name: str) -> str:
+    """The format whose values ``name`` stores: two formats with one value format hold the same numbers."""
+    return _SAME_VALUES.get(name, name)
+
+
 def format_names() -> tuple[str, ...]:
     """Every format name ``get_format`` accepts."""
     return tuple(_FORMATS)

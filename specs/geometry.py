@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import ConfigError
-from dsv4.specs.formats import PLAIN_MLA_ALIGNMENT, CacheFormat, get_format, round_up
+from dsv4.specs.formats import PLAIN_MLA_ALIGNMENT, CacheFormat, get_format, round_up, value_format
 from dsv4.specs.layer_kinds import LayerKind
 from dsv4.specs.numerics import get_profile
 from pydantic import BaseModel, ConfigDict
@@ -50,6 +50,7 @@ _ASCEND_C128_STATE_DIVISOR = {"ascend": 4, "ascend-a5": 8}
 # The Ascend tables are those of vllm-ascend's own caches (SPEC §9.2-§9.3, vendor_backends.md §1.4):
 # A2/A3 bf16 rows + int8/fp16 keys, A5 640 B fp8 records + fp8/fp32 keys. vllm has no formats of its own.
 _GEOMETRY_FORMATS = {"ascend": ("ascend_bf16", "indexer_ascend_int8"), "ascend-a5": ("ascend_a5", "indexer_fp8")}
+_GEOMETRY_PROFILE = "ascend"  # the profile whose formats the Ascend geometries' own are (vllm-ascend)
 
 GroupName = Literal["swa", "c4_kv", "c128_kv", "c4_indexer_keys", "c4_state", "c128_state", "c4_indexer_state"]
 
@@ -162,14 +163,34 @@ def cache_geometry(cfg: ModelConfig, profile: str = "deepseek", geometry: str = 
     """Cache groups of ``cfg`` under ``geometry`` (``vllm``, ``ascend``, ``ascend-a5``).
 
     Formats, each of ``kv_format`` / ``indexer_key_format`` resolved on its own: the explicit
-    argument, else the geometry's own (``ascend``: ``ascend_bf16`` / ``indexer_ascend_int8``;
-    ``ascend-a5``: ``ascend_a5`` / ``indexer_fp8``), else the profile's (``vllm`` has none). So an
-    Ascend geometry under the ``deepseek`` or ``vllm`` profile still lays out Ascend's pages; an
-    explicit format is the user's choice and wins (the Ascend pads are then computed for it).
-    ``block_size``: ascend user block (default 128); vllm fixes its sizes and accepts only 64.
+    argument, else the geometry's own under its own profile (``ascend``: ``ascend_bf16`` /
+    ``indexer_ascend_int8``; ``ascend-a5``: ``ascend_a5`` / ``indexer_fp8``; both vllm-ascend's, under
+    the ``ascend`` profile), else the profile's (the ``vllm`` geometry has none). An Ascend geometry
+    under another profile would change that profile's cache formats (SPEC §6.6: a profile fixes every
+    rounding point; §12: no silent dtype override), so it is refused unless the formats it would change
+    are passed explicitly; an explicit format is the user's choice and wins (the Ascend pads are then
+    computed for it). ``block_size``: ascend user block (default 128); vllm fixes its sizes and accepts
+    only 64.
     """
     prof = get_profile(profile)
-    default_kv, default_key = _GEOMETRY_FORMATS.get(geometry, (prof.kv_format, prof.indexer_key_format))
+    default_kv, default_key = prof.kv_format, prof.indexer_key_format
+    if geometry in _GEOMETRY_FORMATS:
+        own_kv, own_key = _GEOMETRY_FORMATS[geometry]
+        if prof.name == _GEOMETRY_PROFILE:
+            default_kv, default_key = own_kv, own_key
+        else:
+            changed = [(arg, own, mine) for arg, own, mine, given in (
+                ("kv_format", own_kv, prof.kv_format, kv_format),
+                ("indexer_key_format", own_key, prof.indexer_key_format, indexer_key_format))
+                if given is None and value_format(own) != value_format(mine)]
+            if changed:
+                raise ConfigError.of(
+                    "geometry", f"a geometry that stores the values of profile {prof.name!r} ("
+                    + ", ".join(f"{a} {m!r}" for a, _, m in changed) + ")",
+                    f"{geometry!r}, whose pages hold " + ", ".join(repr(o) for _, o, _ in changed),
+                    hint=f"pass profile={_GEOMETRY_PROFILE!r}, or choose the formats: "
+                         + ", ".join(f"{a}={o!r} (or {m!r})" for a, o, m in changed))
+            default_kv, default_key = own_kv, own_key  # the same values in the geometry's own bytes
     kv_name, key_name = kv_format or default_kv, indexer_key_format or default_key
     if get_format(kv_name).role != "latent":
         raise ConfigError.of("kv_format", "a latent (512-d) cache format", repr(kv_name))

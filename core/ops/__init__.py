@@ -32,10 +32,12 @@ from dsv4.ops import library
 from dsv4.ops.dispatch import backend_name, eager_untraced
 from dsv4.ops.validate import (
     FLOATS,
+    cache_block_size,
     cache_capacity,
     check_compressed_slots,
     check_dtype,
     check_indices,
+    check_key_pages,
     check_pages,
     check_positions_nonnegative,
     check_positions_range,
@@ -193,6 +195,9 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
         check_positions_nonnegative(positions)
         check_request_ids(token_request, key_block_table.shape[0])
         check_pages("key_block_table", key_block_table, key_cache.shape[0])
+        key_block_size = cache_block_size(key_format, key_cache)
+        if key_block_size is not None:
+            check_key_pages(positions, token_request, key_block_table, key_block_size, int(ratio))
     return _call("indexer_topk", backend, (q, w, positions, token_request, key_cache, key_block_table),
                  {"topk": int(topk), "key_format": key_format, "ratio": int(ratio)})
 

@@ -130,15 +130,21 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def cache_capacity(format_name: str, cache: torch.Tensor) -> int | None:
-    """Slots of ``cache`` (blocks x block size, from the codec of ``format_name``); None when the
-    codec cannot read the layout: the backend then reports the layout error itself."""
+def cache_block_size(format_name: str, cache: torch.Tensor) -> int | None:
+    """Entries a page of ``cache`` (from the codec of ``format_name``); None when the codec cannot read
+    the layout: the backend then reports the layout error itself."""
     from dsv4.codecs import get_codec  # late: the codecs are not needed to import the ops
 
     try:
-        return cache.shape[0] * get_codec(format_name).block_size_of(cache)
+        return get_codec(format_name).block_size_of(cache)
     except DSV4Error:
         return None
+
+
+def cache_capacity(format_name: str, cache: torch.Tensor) -> int | None:
+    """Slots of ``cache`` (blocks x block size, :func:`cache_block_size`); None where that is None."""
+    block_size = cache_block_size(format_name, cache)
+    return None if block_size is None else cache.shape[0] * block_size
 
 
 # -- value-range checks (one min/max reduction per tensor) -----------------------------------------
@@ -208,6 +214,31 @@ def check_indices(name: str, indices: torch.Tensor, lens: torch.Tensor, capacity
     low, high = _min_max(torch.where(read, indices, -1))
     if low < -1 or high >= capacity:
         check_slots(name, indices[read], capacity)
+
+
+def check_key_pages(positions: torch.Tensor, token_request: torch.Tensor, key_block_table: torch.Tensor,
+                    block_size: int, ratio: int) -> None:
+    """indexer_topk (SPEC §6.3): every entry a token sees (``0 <= j < (p+1)//ratio``) has a key page: the
+    table is wide enough and holds no -1 there (a backend scores only the keys it is given, so a missing
+    page would drop a visible entry)."""
+    if positions.numel() == 0:
+        return
+    pages_needed = ((positions + 1) // ratio + block_size - 1) // block_size  # cdiv(visible entries, B)
+    most = int(pages_needed.max())
+    if most > key_block_table.shape[1]:
+        t = int(pages_needed.argmax())
+        raise DSV4ValueError.of("key_block_table", f"at least {most} pages a row (the entries token {t} at "
+                                f"position {int(positions[t])} sees)", f"shape {tuple(key_block_table.shape)}")
+    if most == 0:
+        return
+    columns = torch.arange(most, device=positions.device)
+    rows = key_block_table[token_request.long(), :most]
+    missing = (columns[None, :] < pages_needed[:, None]) & (rows < 0)
+    if bool(missing.any()):
+        t, page = (int(v) for v in missing.nonzero()[0])
+        raise DSV4ValueError.of("key_block_table", "a page for every entry a token sees (SPEC §6.3)",
+                                f"-1 at page {page} of request row {int(token_request[t])}, which token {t} "
+                                f"(position {int(positions[t])}) reads")
 
 
 def check_compressed_slots(positions: torch.Tensor, out_slot_mapping: torch.Tensor, ratio: int) -> None:

@@ -5,7 +5,7 @@ from _cache_helpers import PlannedOnly
 from dsv4.cache import OutOfBlocksError, StepRequest
 from dsv4.metadata import closing_windows_in_call, slots_from_block_table, topk_local_to_global
 from dsv4.specs.config import ModelConfig
-from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.errors import ConfigError, DSV4ValueError
 
 CFG = ModelConfig.preset("tiny")  # layers: 0 SWA, 1 CSA, 2 HCA
 
@@ -153,7 +153,7 @@ def test_free_returns_every_page():
     ("ascend", "ascend_bf16", "indexer_ascend_int8", 128 * 1024, 128 * 130),
 ])
 def test_ascend_geometry_cache_allocates_the_geometry_formats(geometry, kv, key, latent_page, key_page):
-    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry=geometry)
+    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry=geometry, profile="ascend")
     assert (cache.kv_format, cache.indexer_key_format) == (kv, key)
     lc = cache.layer(1)
     assert lc.swa[0].numel() * lc.swa.element_size() == latent_page
@@ -162,8 +162,13 @@ def test_ascend_geometry_cache_allocates_the_geometry_formats(geometry, kv, key,
     assert cache.groups["swa"].block_size == 128 and cache.groups["state4"].block_size == 8
 
 
+def test_a_cache_refuses_a_geometry_that_would_change_its_profiles_formats():
+    with pytest.raises(ConfigError, match="profile='ascend'"):  # deepseek writes mxfp4 keys, not int8
+        PlannedOnly(CFG, [1], num_blocks=2, geometry="ascend")
+
+
 def test_explicit_cache_format_wins_over_the_geometry_format():
-    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry="ascend-a5", kv_format="fp8_ds_mla")
+    cache = PlannedOnly(CFG, [1], num_blocks=2, geometry="ascend-a5", profile="ascend", kv_format="fp8_ds_mla")
     assert (cache.kv_format, cache.indexer_key_format) == ("fp8_ds_mla", "indexer_fp8")
     lc = cache.layer(1)
     assert lc.swa[0].numel() * lc.swa.element_size() == 74880  # roundup(128 * 584, 576)

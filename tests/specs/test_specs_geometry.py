@@ -66,22 +66,48 @@ def test_geometry_errors():
         cache_geometry(cfg, kv_format="indexer_fp8")
 
 
-@pytest.mark.parametrize("profile", ["deepseek", "vllm", "ascend"])
-def test_ascend_geometries_use_their_own_formats_under_any_profile(profile):
+def test_ascend_geometries_use_their_own_formats_under_the_ascend_profile():
     cfg = ModelConfig.preset("v4-pro")
-    a23 = cache_geometry(cfg, profile, "ascend")
+    a23 = cache_geometry(cfg, "ascend", "ascend")
     assert (a23.kv_format, a23.indexer_key_format) == ("ascend_bf16", "indexer_ascend_int8")
     assert {g.page_bytes for g in a23.groups} == {16640, 131072}  # vendor_backends.md §1.4, bs 128
-    a5 = cache_geometry(cfg, profile, "ascend-a5")
+    a5 = cache_geometry(cfg, "ascend", "ascend-a5")
     assert (a5.kv_format, a5.indexer_key_format) == ("ascend_a5", "indexer_fp8")
     assert {g.page_bytes for g in a5.groups} == {16896, 81920}
-    assert a23.profile == a5.profile == profile
+    assert a23.profile == a5.profile == "ascend"
+
+
+@pytest.mark.parametrize("profile, geometry, changed", [
+    ("deepseek", "ascend", ["kv_format 'fp8_ds_mla'", "indexer_key_format 'indexer_mxfp4'"]),
+    ("vllm", "ascend", ["kv_format 'fp8_ds_mla'", "indexer_key_format 'indexer_fp8'"]),
+    ("deepseek", "ascend-a5", ["indexer_key_format 'indexer_mxfp4'"]),  # ascend_a5 holds fp8_ds_mla's values
+])
+def test_an_ascend_geometry_never_changes_another_profiles_formats_silently(profile, geometry, changed):
+    """SPEC §6.6 / §12: the geometry's own formats would change the profile's rounding points."""
+    with pytest.raises(ConfigError, match="geometry") as info:
+        cache_geometry(ModelConfig.preset("v4-pro"), profile, geometry)
+    for part in changed:
+        assert part in str(info.value)
+    assert "profile='ascend'" in str(info.value)
+    if geometry == "ascend":  # the kv change alone is named too, when only the key format is given
+        with pytest.raises(ConfigError, match="kv_format 'fp8_ds_mla'"):
+            cache_geometry(ModelConfig.preset("v4-pro"), profile, geometry, indexer_key_format="indexer_fp8")
+
+
+def test_an_ascend_geometry_takes_a_profile_whose_values_it_stores():
+    cfg = ModelConfig.preset("v4-pro")
+    a5 = cache_geometry(cfg, "vllm", "ascend-a5")  # ascend_a5 = fp8_ds_mla's values, indexer_fp8 = vllm's
+    assert (a5.kv_format, a5.indexer_key_format, a5.profile) == ("ascend_a5", "indexer_fp8", "vllm")
+    mx = cache_geometry(cfg, "deepseek", "ascend-a5", indexer_key_format="indexer_mxfp4")
+    assert (mx.kv_format, mx.indexer_key_format) == ("ascend_a5", "indexer_mxfp4")
 
 
 def test_explicit_format_wins_over_the_geometry_format():
     cfg = ModelConfig.preset("v4-pro")
-    geo = cache_geometry(cfg, "deepseek", "ascend", kv_format="fp8_ds_mla")
+    geo = cache_geometry(cfg, "ascend", "ascend", kv_format="fp8_ds_mla")
     assert (geo.kv_format, geo.indexer_key_format) == ("fp8_ds_mla", "indexer_ascend_int8")
     assert geo.group("swa").page_bytes == 74880  # roundup(128 * 584, 576): t2 is now the fp8_ds_mla page
+    both = cache_geometry(cfg, "deepseek", "ascend", kv_format="ascend_bf16", indexer_key_format="indexer_fp8")
+    assert (both.kv_format, both.indexer_key_format, both.profile) == ("ascend_bf16", "indexer_fp8", "deepseek")
     # vllm has no formats of its own: the profile's apply.
     assert cache_geometry(cfg, "vllm", "vllm").indexer_key_format == "indexer_fp8"

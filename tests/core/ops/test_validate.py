@@ -73,6 +73,8 @@ _BAD = [
     ("indexer_topk", "positions", _set(2, 0, -1)),
     ("indexer_topk", "token_request", _set(3, 0, lambda a, k: a[5].shape[0])),
     ("indexer_topk", "key_block_table", _set(5, (0, 0), lambda a, k: a[4].shape[0])),
+    ("indexer_topk", "key_block_table", lambda a, k: a[:5] + (a[5][:, :1].contiguous(),) + a[6:]),  # too narrow
+    ("indexer_topk", "key_block_table", _set(5, (2, 3), -1)),  # a page that entries token 14 sees lack
     ("sparse_attention", "swa_indices", _at_first_read(2, 3, lambda a, k: _capacity(k["kv_format"], a[1]))),
     ("sparse_attention", "swa_indices", _at_first_read(2, 3, lambda a, k: -2)),
     ("sparse_attention", "swa_lens", _set(3, 0, lambda a, k: a[2].shape[1] + 1)),
@@ -115,8 +117,8 @@ def test_reference_gives_the_same_error(op, name, mutate):
     args, kwargs, before = _bad_call(op, mutate)
     with pytest.raises(DSV4ValueError) as boundary:
         getattr(ops, op)(*args, **kwargs, backend="reference")
-    if name.endswith("block_table") and "page ids" in str(boundary.value):
-        return
+    if name.endswith("block_table") and ("page ids" in str(boundary.value) or "sees" in str(boundary.value)):
+        return  # the reference reads only the pages it scores (SPEC §6.3's shortcut reads none)
     with pytest.raises(DSV4ValueError) as direct:
         getattr(reference, op)(*args, **kwargs)
     assert str(direct.value) == str(boundary.value)
@@ -138,7 +140,7 @@ def test_messages_name_expected_and_received():
     with pytest.raises(DSV4ValueError, match=rf"swa_slot_mapping: expected -1 or values in \[0, {capacity}\), "
                                              rf"got \[{capacity}\] \(first offenders\)"):
         ops.qnorm_rope_insert(*args, **kwargs, backend="triton")
-    args, kwargs, _ = _bad_call("indexer_topk", _BAD[15][2])
+    args, kwargs, _ = _bad_call("indexer_topk", _BAD[15][2])  # page ids past the cache
     with pytest.raises(DSV4ValueError, match=r"key_block_table: expected -1 or page ids in \[0, \d+\)"):
         ops.indexer_topk(*args, **kwargs, backend="triton")
 
@@ -207,3 +209,21 @@ def test_unknown_cache_layout_is_left_to_the_backend():
     (q, kv, positions, cos_sin, cache, slots), kwargs = prepared.steps[0]
     with pytest.raises(DSV4Error, match="cache"):
         ops.qnorm_rope_insert(q, kv, positions, cos_sin, cache[:, :7], slots, **kwargs, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("width", [0, 1])
+def test_a_key_table_too_narrow_for_the_shortcut_is_rejected(backend, width):
+    """SPEC §6.3: a token that sees <= topk entries takes them all; the reference takes them without reading
+    a key, a kernel bounded by the table returned fewer (16 or 0 of 25): every visible entry needs its page."""
+    codec = get_codec("indexer_mxfp4")
+    cache = codec.allocate(2, 16)
+    q, w = torch.randn(1, 64, 128).to(torch.bfloat16), torch.randn(1, 64)
+    positions, token_request = torch.tensor([99]), torch.tensor([0], dtype=torch.int32)  # 25 entries visible
+    table = torch.zeros((1, width), dtype=torch.int32)
+    with pytest.raises(DSV4ValueError, match=r"^key_block_table: expected at least 2 pages a row .* got shape"):
+        ops.indexer_topk(q, w, positions, token_request, cache, table, topk=32, key_format="indexer_mxfp4",
+                         backend=backend)
+    wide = ops.indexer_topk(q, w, positions, token_request, cache, torch.tensor([[0, 1]], dtype=torch.int32),
+                            topk=32, key_format="indexer_mxfp4", backend=backend)
+    assert sorted(wide[0, :25].tolist()) == list(range(25)) and wide[0, 25:].tolist() == [-1] * 7  # order: free
