@@ -52,6 +52,10 @@ _PROFILES: dict[str, NumericsProfile] = {
         attention_probs_bf16=True, returns_lse=True, output_fp8=True,
     ),
     # SPEC §6.6 ascend row: Hadamard, int8 + fp16 per-token scale; bf16 rows; no LSE.
+    # SPEC's row is silent on the indexer weights: vllm-ascend A2/A3 casts them to fp16 after folding the
+    # 128**-0.5 * 64**-0.5 scale (research/vendor_backends.md §1.6 step 6; A5 keeps fp32). This profile
+    # keeps them fp32 as SPEC §6.2 writes them (an fp16 cast moves a weight by <= 4.9e-4 relative, so only
+    # near-tied top-k picks could differ); an owner question, not a silent choice.
     "ascend": NumericsProfile(
         name="ascend", kv_format="ascend_bf16", indexer_key_format="indexer_ascend_int8",
         indexer_hadamard=True, indexer_quant="int8", compressor_rounding="deepseek",
