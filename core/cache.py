@@ -19,11 +19,11 @@ request may write, and every layer must run a step before its requests are plann
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from dsv4.cache_args import MAX_SLOTS, StepRequest, check_requests, hashable, resolve_device
 from dsv4.metadata import (
     GroupTable,
     RatioMetadata,
@@ -47,26 +47,6 @@ class OutOfBlocksError(DSV4ValueError):
 class StaleStepError(DSV4ValueError):
     """A :class:`Step` is no longer the latest plan of one of its requests (re-planned or freed since):
     its slots may belong to another request now, so it must not write (SPEC §12)."""
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    """One request's share of a step: ``num_tokens`` (an int >= 1) new tokens appended to ``request_id``
-    (any hashable id)."""
-
-    request_id: Hashable
-    num_tokens: int
-
-    def __post_init__(self) -> None:
-        if not _hashable(self.request_id):
-            raise DSV4TypeError.of("StepRequest.request_id", "a hashable id (str, int, tuple, ...)",
-                                   f"{type(self.request_id).__name__} {self.request_id!r}")
-        n = self.num_tokens
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise DSV4TypeError.of("StepRequest.num_tokens", "an int >= 1", f"{type(n).__name__} {n!r}")
-        if n < 1:
-            raise DSV4ValueError.of("StepRequest.num_tokens", "an int >= 1", n)
-        object.__setattr__(self, "num_tokens", int(n))  # numpy / torch integers become a plain int
 
 
 @dataclass
@@ -119,10 +99,13 @@ class PagedKVCache:
     Step lifecycle (SPEC §10, §12):
 
     - ``plan_step`` commits a step (pages, sequence lengths) or raises having changed nothing.
-    - Only the LATEST plan of a request may write: every ``plan_step`` that includes a request, and
-      ``free``, make earlier steps of it stale, and ``Attention`` refuses a stale step
-      (:class:`StaleStepError`) before writing. Running the latest step again is allowed (every layer
-      of a model runs it; a re-run writes the same bytes).
+    - Only the LATEST plan of a request may write: every ``plan_step`` that includes a request makes its
+      earlier steps stale, and so does ``free`` once another step is planned (its pages may be handed
+      out); ``Attention`` refuses a stale step (:class:`StaleStepError`) before writing. Until the next
+      plan, a step with freed requests still runs for the others (an engine aborting one request re-runs
+      the step); the freed requests' rows then land in free pages, which a later plan hands out as
+      unwritten. Running the latest step again is allowed (every layer runs it; a re-run writes the
+      same bytes).
     - Every layer of this cache must run a step before its requests are planned again (each successful
       forward calls ``mark_written``; ``plan_step`` names the layers still to run): a model that failed
       after some layers, or a step dropped unrun, would leave pages holding a freed request's rows for
@@ -150,7 +133,7 @@ class PagedKVCache:
         from dsv4.specs.geometry import cache_geometry
 
         self.cfg = cfg
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.profile = get_profile(profile).name
         self.layer_ids = tuple(sorted({int(i) for i in layer_ids}))
         if not self.layer_ids:
@@ -171,9 +154,9 @@ class PagedKVCache:
         self.groups: dict[str, BlockPool] = {}
         for name in sorted(wanted):
             g = geo.group(SPEC_GROUPS[name])
-            if sizes[name] * g.entries_per_page > _MAX_SLOTS:  # SPEC §10: global slots are int32 in index rows
+            if sizes[name] * g.entries_per_page > MAX_SLOTS:  # SPEC §10: global slots are int32 in index rows
                 raise DSV4ValueError.of(f"num_blocks[{name!r}]",
-                                        f"at most {_MAX_SLOTS // g.entries_per_page} ({g.entries_per_page} entries a "
+                                        f"at most {MAX_SLOTS // g.entries_per_page} ({g.entries_per_page} entries a "
                                         "page; int32 global slots, SPEC §10)", sizes[name])
             self.groups[name] = BlockPool(name, g.entries_per_page, sizes[name], g.window)
         if "c4" in self.groups:  # the indexer keys and state share the c4 tables (same page geometry)
@@ -204,6 +187,7 @@ class PagedKVCache:
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
+        self._freed_from: dict[int, Hashable] = {}  # pending step serial -> a request freed from it
         self._planned = 0  # serial of the latest plan_step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -215,11 +199,13 @@ class PagedKVCache:
 
     def free(self, request_id: Hashable) -> None:
         """Release every page of ``request_id`` in every group; its planned steps become stale."""
-        if not _hashable(request_id) or request_id not in self.seq_lens:
+        if not hashable(request_id) or request_id not in self.seq_lens:
             raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
         for group in self.groups.values():
             group.release(request_id)
         del self.seq_lens[request_id]
+        if self._epochs[request_id] in self._pending:  # that step runs only until the next plan now
+            self._freed_from.setdefault(self._epochs[request_id], request_id)
         del self._epochs[request_id]
         self._serial += 1
 
@@ -248,22 +234,32 @@ class PagedKVCache:
         raise StaleStepError.of(
             "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
             f"a stale step: request {request_id!r} was {happened}",
-            hint="its slots may belong to another request now; plan a new step")
+            hint="its slots may belong to another request now; plan a new step (a request of it that some "
+                 "layer has not run must be freed and prefilled again)")
 
     def mark_unwritten(self, step: Step, layer_id: int) -> None:
         """A layer's forward of ``step`` raised (its pages may be partly written): every layer of this
         cache must run the step again (``mark_written``) before ``plan_step`` takes its requests."""
-        if layer_id not in self.layers or step.cache is not self:
-            return
+        if not isinstance(step, Step) or layer_id not in self.layers or step.cache is not self:
+            return  # called on a forward's error path: never raise over the forward's own error
         if any(self._epochs.get(r) == step.serial for r in step.metadata.request_ids):
             self._pending[step.serial] = set(self.layers)
+            freed = [r for r in step.metadata.request_ids if r not in self._epochs]
+            if freed:
+                self._freed_from.setdefault(step.serial, freed[0])
 
     def mark_written(self, step: Step, layer_id: int | None = None) -> None:
         """A layer's forward of ``step`` succeeded (O(1)); ``layer_id=None``: every layer. A caller that
         wrote the step's rows itself (ops, codecs) or replayed a CUDA graph of the forwards (a replay runs
         no Python) calls ``mark_written(step)``: ``plan_step`` waits for every layer."""
+        if not isinstance(step, Step):
+            raise DSV4TypeError.of("step", "a dsv4.Step returned by plan_step", type(step).__name__)
+        if step.cache is not self:
+            raise DSV4ValueError.of("step", "a step planned by this cache", "a step of another PagedKVCache")
+        if layer_id is not None and layer_id not in self.layers:
+            raise DSV4ValueError.of("layer_id", f"None (every layer) or one of {self.layer_ids}", layer_id)
         layers = self._pending.get(step.serial)
-        if layers is None or step.cache is not self:
+        if layers is None:
             return
         if layer_id is None:
             self.check_step(step)  # a step that can no longer run cannot have been written
@@ -272,6 +268,7 @@ class PagedKVCache:
             layers.discard(layer_id)
         if not layers:
             del self._pending[step.serial]
+            self._freed_from.pop(step.serial, None)
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -302,7 +299,7 @@ class PagedKVCache:
         step count as free). On success, pages that slid out are freed for every request first, then
         new pages are allocated, and the step's earlier plans for these requests become stale.
         """
-        _check_requests(requests)
+        check_requests(requests)
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise DSV4ValueError.of("requests", "each request id at most once per step", ids)
@@ -314,6 +311,14 @@ class PagedKVCache:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
         for r in ids:
             pending = self._pending.get(self._epochs.get(r))
+            freed = self._freed_from.get(self._epochs.get(r))
+            if pending and freed is not None and self._planned != self._epochs[r]:
+                raise DSV4ValueError.of(
+                    f"requests[{r!r}]", "a request whose previous step every layer wrote",
+                    f"layers {sorted(pending)} still to run step #{self._epochs[r]}, which can no longer run "
+                    f"(request {freed!r} of it was freed and step #{self._planned} planned since)",
+                    hint="free() this request and prefill it again (its rows of that step are missing in those "
+                         "layers)")
             if pending:
                 raise DSV4ValueError.of(
                     f"requests[{r!r}]", "a request whose previous step every layer wrote",
@@ -355,6 +360,7 @@ class PagedKVCache:
         if len(self._pending) > 64:  # steps whose requests were all freed or re-planned since
             live = set(self._epochs.values())
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
+            self._freed_from = {serial: r for serial, r in self._freed_from.items() if serial in self._pending}
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         self._planned = self._serial
         return Step(metadata, self, self._serial)
@@ -451,39 +457,3 @@ class PagedKVCache:
         if get_profile(profile).name != self.profile:
             raise CacheLayoutError.of("profile", f"{self.profile!r} (the profile that wrote this cache)",
                                       repr(profile))
-
-
-# -- argument checks (SPEC §12: name the argument, what was expected and what came) ------------------
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    """``"cuda"`` -> ``cuda:<current>``; a device this machine lacks is a named error, not an assert."""
-    if not isinstance(device, (str, torch.device)):
-        raise DSV4TypeError.of("device", "a torch.device or a device string", f"{type(device).__name__} {device!r}")
-    try:
-        return torch.empty(0, device=device).device
-    except (AssertionError, RuntimeError) as exc:
-        raise DSV4ValueError.of("device", "a device available on this machine", repr(str(device)),
-                                hint=str(exc).splitlines()[0] if str(exc) else "") from None
-
-
-_MAX_SLOTS = 2**31  # slots a pool may have: 0 .. 2**31 - 1 fit the int32 index rows (SPEC §10)
-
-
-def _check_requests(requests: object) -> None:
-    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
-        raise DSV4TypeError.of("requests", "a list or tuple of StepRequest",
-                               "None" if requests is None else type(requests).__name__)
-    if len(requests) == 0:
-        raise DSV4ValueError.of("requests", "at least one StepRequest", "an empty sequence")
-    for i, r in enumerate(requests):
-        if not isinstance(r, StepRequest):
-            raise DSV4TypeError.of(f"requests[{i}]", "a dsv4.StepRequest(request_id, num_tokens)",
-                                   f"{type(r).__name__} {r!r}"[:120])

@@ -390,8 +390,9 @@ class Attention(nn.Module):
         full call, while indexer scoring, sparse attention and the output projection run for ``rows``
         only; the result is then ``[len(rows), hidden]``.
 
-        Every check runs before the first cache write (SPEC §12). A stale step (its requests re-planned
-        or freed since) is refused and changes nothing. Any other error marks the step's requests as
+        Every check runs before the first cache write (SPEC §12). A stale step (``PagedKVCache.check_step``:
+        a request re-planned since, or freed with another plan since) is refused and changes nothing; a step
+        with requests freed and nothing planned since still runs for the rest. Any other error marks the step's requests as
         unwritten by this layer (``PagedKVCache.mark_unwritten``): run the same step again with a
         corrected input, or free the requests; the next ``plan_step`` including them refuses otherwise.
         """

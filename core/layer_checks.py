@@ -64,6 +64,10 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
     """The cache was built for a config that agrees with the layer's: profile, layer kind, window, and for a
     CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's)."""
     cache.check_profile(attn.profile)
+    if attn.layer_id not in cache.layers:
+        raise DSV4ValueError.of("step", f"a step of a cache serving layer {attn.layer_id} (this layer)",
+                                f"a step of a cache serving layers {cache.layer_ids}",
+                                hint="build the PagedKVCache with every layer id that runs its steps")
     lc = cache.layer(attn.layer_id)
     if lc.kind != attn.kind:
         raise CacheLayoutError.of(

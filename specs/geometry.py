@@ -84,23 +84,29 @@ class CacheGroup(BaseModel):
     def cache_format(self) -> CacheFormat:
         return get_format(self.format, **self.format_params)
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages one layer of this group holds for a request of ``num_tokens`` raw tokens.
+    def pages_for(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """Pages one layer of this group holds for a request of ``num_tokens`` raw tokens whose latest
+        step added ``step_tokens`` of them (1: a decode; the engine's most tokens a step, such as vLLM's
+        ``max_num_batched_tokens``, for a pool that must take any step; ``num_tokens``: a whole prefill).
 
         Growing groups: one page per ``raw_tokens_per_page`` started (vLLM allocates whole logical
-        blocks). Window groups: the most pages ``window`` consecutive positions can touch, never more
-        than the request has: ``min(cdiv(N, B), cdiv(window - 1, B) + 1)``.
+        blocks). Window groups: a step of n tokens writes a row for each of them and reads the ``window - 1``
+        positions before, so until the next plan frees what slid out it holds the most pages
+        ``window - 1 + n`` consecutive positions can touch, never more than the request has:
+        ``min(cdiv(N, B), cdiv(window - 2 + n, B) + 1)`` (vLLM sizes sliding windows the same way).
         """
         if num_tokens <= 0:
             return 0
         pages = -(-num_tokens // self.raw_tokens_per_page)
         if self.window is None:
             return pages
-        return min(pages, -(-(self.window - 1) // self.entries_per_page) + 1)
+        span = self.window - 1 + min(max(step_tokens, 1), num_tokens)
+        return min(pages, -(-(span - 1) // self.entries_per_page) + 1)
 
-    def bytes_for(self, num_tokens: int) -> int:
-        """Bytes of every layer of the group for one request of ``num_tokens``."""
-        return self.pages_for(num_tokens) * self.page_bytes * self.num_layers
+    def bytes_for(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """Bytes of every layer of the group for one request of ``num_tokens`` (``step_tokens``: as
+        :meth:`pages_for`)."""
+        return self.pages_for(num_tokens, step_tokens) * self.page_bytes * self.num_layers
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready description."""

@@ -3,7 +3,9 @@
 Everything follows from :mod:`dsv4.specs.geometry`: a layer holds, in every cache group it belongs
 to, ``group.pages_for(N)`` pages of ``group.page_bytes`` (padding included). Growing groups
 (compressed KV, indexer keys) cost ``page_bytes / raw_tokens_per_page`` per raw token; window
-groups (SWA, compressor state) cost a bounded number of pages however long the request is.
+groups (SWA, compressor state) cost a bounded number of pages however long the request is, bounded
+by the window plus the tokens of the request's latest step (``step_tokens``: 1 for a decode; size a
+pool with the engine's most tokens a step, as vLLM does with ``max_num_batched_tokens``).
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def _check_tokens(num_tokens: int, argument: str = "num_tokens") -> int:
     return num_tokens
 
 
+def _check_step_tokens(step_tokens: int) -> int:
+    if not isinstance(step_tokens, int) or isinstance(step_tokens, bool) or step_tokens < 1:
+        raise ConfigError.of("step_tokens", "a positive integer (tokens of a step)", step_tokens)
+    return step_tokens
+
+
 def _payload_bytes(group: CacheGroup, num_tokens: int) -> int:
     """Bytes of one layer of ``group`` that hold data (no page padding, no empty slots)."""
     if group.window is None:
@@ -45,9 +53,10 @@ def _payload_bytes(group: CacheGroup, num_tokens: int) -> int:
     return min(num_tokens, group.window) * group.token_bytes
 
 
-def layer_bytes(geo: CacheGeometry, layer_id: int, num_tokens: int) -> int:
-    """Bytes of one layer for one request of ``num_tokens`` raw tokens (every group of the layer)."""
-    return sum(g.pages_for(num_tokens) * g.page_bytes for g in geo.groups_of_layer(layer_id))
+def layer_bytes(geo: CacheGeometry, layer_id: int, num_tokens: int, step_tokens: int = 1) -> int:
+    """Bytes of one layer for one request of ``num_tokens`` raw tokens (every group of the layer);
+    ``step_tokens``: tokens of its latest step (``CacheGroup.pages_for``)."""
+    return sum(g.pages_for(num_tokens, step_tokens) * g.page_bytes for g in geo.groups_of_layer(layer_id))
 
 
 def kind_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry: str | CacheGeometry = "vllm",
@@ -80,29 +89,34 @@ def model_bytes_per_token(cfg: ModelConfig, profile: str = "deepseek", geometry:
 
 
 def request_bytes(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
-                  geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True) -> int:
+                  geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True, step_tokens: int = 1) -> int:
     """Total cache bytes of one request of ``num_tokens`` raw tokens: every group of every layer,
-    page padding, the SWA window and the compressor state included."""
+    page padding, the SWA window and the compressor state included; ``step_tokens``: tokens of the
+    request's latest step (1: decode; the window groups hold the pages of a whole step until the next
+    plan, ``CacheGroup.pages_for``)."""
     geo = _geometry(cfg, profile, geometry, include_mtp)
     _check_tokens(num_tokens)
-    return sum(g.bytes_for(num_tokens) for g in geo.groups)
+    _check_step_tokens(step_tokens)
+    return sum(g.bytes_for(num_tokens, step_tokens) for g in geo.groups)
 
 
 def max_tokens(cfg: ModelConfig, budget_bytes: int, profile: str = "deepseek",
-               geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True, limit: int | None = None) -> int:
-    """Largest ``N <= limit`` (default ``max_position_embeddings``) with ``request_bytes(N) <= budget``.
+               geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True, limit: int | None = None,
+               step_tokens: int = 1) -> int:
+    """Largest ``N <= limit`` (default ``max_position_embeddings``) with ``request_bytes(N, step_tokens)
+    <= budget``.
 
     ``request_bytes`` never decreases with N, so a binary search is exact. 0 if not even one token fits.
     """
     _check_tokens(budget_bytes, "budget_bytes")
     geo = _geometry(cfg, profile, geometry, include_mtp)
     high = cfg.max_position_embeddings if limit is None else _check_tokens(limit, "limit")
-    if request_bytes(cfg, high, geometry=geo) <= budget_bytes:
+    if request_bytes(cfg, high, geometry=geo, step_tokens=step_tokens) <= budget_bytes:
         return high
     low = 0  # invariant: request_bytes(low) <= budget < request_bytes(high)
     while high - low > 1:
         middle = (low + high) // 2
-        if request_bytes(cfg, middle, geometry=geo) <= budget_bytes:
+        if request_bytes(cfg, middle, geometry=geo, step_tokens=step_tokens) <= budget_bytes:
             low = middle
         else:
             high = middle
@@ -110,12 +124,15 @@ def max_tokens(cfg: ModelConfig, budget_bytes: int, profile: str = "deepseek",
 
 
 def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
-                geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True) -> dict[str, Any]:
-    """JSON-ready plan of one request of ``num_tokens``: per layer kind, per group, totals.
+                geometry: str | CacheGeometry = "vllm", *, include_mtp: bool = True,
+                step_tokens: int = 1) -> dict[str, Any]:
+    """JSON-ready plan of one request of ``num_tokens`` whose latest step added ``step_tokens``: per layer
+    kind, per group, totals.
 
     A :class:`CacheGeometry` ``geometry`` is used as is for every figure (``profile`` is then ignored).
     """
     _check_tokens(num_tokens)
+    _check_step_tokens(step_tokens)
     geo = _geometry(cfg, profile, geometry, include_mtp)
     counts = cfg.layer_kind_counts(include_mtp)
     per_token = kind_bytes_per_token(cfg, geometry=geo)
@@ -127,13 +144,13 @@ def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
             "ratio": kind.ratio, "count": counts[kind], "layer_ids": list(ids),
             "bytes_per_token_per_layer": per_token[kind],
             "payload_bytes_per_token_per_layer": per_token_payload[kind],
-            "bytes": sum(layer_bytes(geo, i, num_tokens) for i in ids),
+            "bytes": sum(layer_bytes(geo, i, num_tokens, step_tokens) for i in ids),
         }
     groups = []
     for group in geo.groups:
-        pages = group.pages_for(num_tokens)
+        pages = group.pages_for(num_tokens, step_tokens)
         groups.append({**group.summary(), "pages_per_layer": pages, "pages": pages * group.num_layers,
-                       "bytes": group.bytes_for(num_tokens),
+                       "bytes": group.bytes_for(num_tokens, step_tokens),
                        "payload_bytes": _payload_bytes(group, num_tokens) * group.num_layers})
     total = sum(g["bytes"] for g in groups)
     payload = sum(g["payload_bytes"] for g in groups)
@@ -144,6 +161,7 @@ def plan_report(cfg: ModelConfig, num_tokens: int, profile: str = "deepseek",
         "profile": geo.profile, "geometry": geo.name, "kv_format": geo.kv_format,
         "indexer_key_format": geo.indexer_key_format, "block_size": geo.block_size,
         "num_tokens": num_tokens,
+        "step_tokens": step_tokens,
         "layer_kinds": kinds,
         "groups": groups,
         "totals": {

@@ -278,3 +278,58 @@ def test_a_step_whose_other_request_was_freed_can_still_run_for_the_rest():
     cache.plan_step([StepRequest("e", 3)])
     with pytest.raises(StaleStepError):
         cache.mark_written(other)
+    # d is stuck: its step can no longer run, and its plan says so (not "run that step")
+    with pytest.raises(DSV4ValueError, match=r"requests\['d'\]: .*step #\d+, which can no longer run \(request 'c' "
+                                             r"of it was freed and step #\d+ planned since\); free\(\) this request"):
+        cache.plan_step([StepRequest("d", 1)])
+    cache.free("d")
+    cache.plan_step([StepRequest("d", 6)])
+
+
+def test_mark_written_refuses_what_it_cannot_mark():
+    """A step of another cache, a layer the cache lacks or a non-Step would otherwise be a silent no-op (the
+    engine then meets a "still to run" refusal later) or a bare AttributeError."""
+    cache, other = PagedKVCache(CFG, [0], num_blocks=8), PagedKVCache(CFG, [0], num_blocks=8)
+    step, foreign = cache.plan_step([StepRequest("a", 3)]), other.plan_step([StepRequest("a", 3)])
+    with pytest.raises(DSV4ValueError, match="^step: expected a step planned by this cache"):
+        cache.mark_written(foreign)
+    with pytest.raises(DSV4ValueError, match=r"^layer_id: expected None \(every layer\) or one of \(0,\), got 99"):
+        cache.mark_written(step, layer_id=99)
+    with pytest.raises(DSV4TypeError, match="^step: expected a dsv4.Step returned by plan_step, got StepMetadata"):
+        cache.mark_written(step.metadata)
+    with pytest.raises(DSV4ValueError, match="still to run"):
+        cache.plan_step([StepRequest("a", 1)])  # none of the refused calls marked anything
+    cache.mark_written(step, layer_id=0)
+    cache.plan_step([StepRequest("a", 1)])
+
+
+@pytest.mark.parametrize("chunk", [400, 64, 16, 1])
+def test_a_cache_sized_by_the_planner_plans_every_chunk(chunk):
+    """docs/memory.md §3: a window group holds the pages of the window plus the latest step until the next
+    plan; a pool sized by ``pages_for(N, step_tokens=chunk)`` takes the request in chunks of ``chunk`` after a
+    first step of any size, and one page less in any window group does not, for some first step (tight)."""
+    from dsv4.paging import SPEC_GROUPS
+    from dsv4.specs.geometry import cache_geometry
+
+    geo, total = cache_geometry(CFG, "deepseek", "vllm"), 400
+    need = {name: geo.group(g).pages_for(total, step_tokens=chunk) for name, g in SPEC_GROUPS.items()}
+
+    def prefill(num_blocks, first):
+        cache, done = PlannedOnly(CFG, [0, 1, 2], num_blocks=num_blocks), 0
+        while done < total:
+            n = min(first if done == 0 else chunk, total - done)
+            cache.plan_step([StepRequest("a", n)])
+            done += n
+
+    firsts = range(1, min(chunk, 64) + 1)
+    for first in firsts[::5]:
+        prefill(need, first)
+    for name, g in SPEC_GROUPS.items():
+        if geo.group(g).window is not None and need[name] > 1:
+            def fails(first, name=name):
+                try:
+                    prefill({**need, name: need[name] - 1}, first)
+                except OutOfBlocksError as e:
+                    return repr(name) in str(e)
+                return False
+            assert any(fails(first) for first in firsts), name

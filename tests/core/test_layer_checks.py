@@ -136,6 +136,18 @@ def test_cache_built_from_another_config_is_refused(layer_id, cache_cfg, message
     assert same_bytes(before, snapshot(cache))
 
 
+@torch.no_grad()
+def test_a_step_of_a_cache_without_the_layer_names_the_step():
+    """The caller passed a step, not a layer id: the error names ``step`` and the layers its cache serves."""
+    cache = PagedKVCache(CFG, [0, 1], num_blocks=16)
+    step = cache.plan_step([StepRequest("r", 4)])
+    before = snapshot(cache)
+    with pytest.raises(DSV4ValueError, match=r"^step: expected a step of a cache serving layer 2 \(this layer\), "
+                                             r"got a step of a cache serving layers \(0, 1\)"):
+        tiny_layer(2)(tiny_x(4), step)
+    assert same_bytes(before, snapshot(cache))
+
+
 def test_non_tensor_input_is_a_named_error():
     attn = tiny_layer(0)
     cache = PagedKVCache(CFG, [0], num_blocks=16)
