@@ -12,7 +12,7 @@ are aligned to 576 B (fp8_ds_mla; 512 / none otherwise), then every sliding-wind
 that groups can share physical pages.
 
 ``ascend`` / ``ascend-a5`` (vllm-ascend ``DSV4_BLOCK_SIZES``, research/vendor_backends.md §1.4;
-default formats their own, whatever the profile: see :func:`cache_geometry`):
+their own formats under the ``ascend`` profile, refused where they would change another's: see :func:`cache_geometry`):
 user block ``bs`` in {32, 64, 128}: bs entries a page for SWA, compressed and indexer groups,
 bs/16 rows for C4 states, bs/4 (A2/A3) or bs/8 (A5) rows for the C128 state; every page padded to
 the smaller of two sizes ``t1`` (indexer-key page) and ``t2`` (latent page) that holds it.
