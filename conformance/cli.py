@@ -18,14 +18,16 @@ Exit status:
   no longer exists.
 - 1: a failure or error; nothing ran at all (every row skipped or unsupported); a file that exists
   but is malformed, incomplete or fails its integrity check (goldens, layer goldens, configs).
-- 2: a usage error: an unknown backend, op or device name, ``--op``/``-k`` selecting no case, a
+- 2: a usage error: an unknown backend, op or device name (a backend whose plugin failed to load or
+  was refused is unknown too; the message gives the plugin's reason), ``--op``/``-k`` selecting no case, a
   number out of range (``--tp``, ``--cp``, ``--context`` must be >= 1), a FILE argument that
   does not exist, a malformed ``-k`` expression, a device this machine does not have, an output path
   (``--json``, ``--junit``, ``--save-outputs``) that is a directory or in a missing or read-only
   directory, a ``golden --dir`` that is not a directory. All are checked before anything runs.
 
 Every error is one line on stderr: ``dsv4-conformance: <argument>: expected <what>, got <value>``.
-With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load makes every subcommand exit 1.
+With ``DSV4_STRICT_PLUGINS=1`` a plugin that fails to load (or is refused) makes every subcommand exit 1;
+without it, ``list`` and ``run`` show each such plugin with its reason (``conformance.cli_list``).
 
 ``plan`` arithmetic (SPEC §9), which ``--json`` shows in full: a layer kind's bytes per token is
 the bytes of one cache row divided by the raw tokens it covers, page padding included. With the
@@ -44,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# kept under its old name: tests/conftest.py arranges the interpreter exactly as the CLI does
+from dsv4.conformance.cli_list import cmd_list
 
 __all__ = ["build_parser", "main"]
 
@@ -135,34 +137,6 @@ def _registry():
     return get_registry()
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    from dsv4.conformance.report import environment
-    from dsv4.conformance.runner import backend_statuses
-    from rich.table import Table
-
-    registry = _registry()
-    statuses = backend_statuses(registry)
-    plugins = [s.as_dict() for s in registry.plugin_statuses()]
-    if args.json:
-        print(json.dumps({"environment": environment(), "backends": statuses, "plugins": plugins}, indent=1,
-                         default=str))
-        return 0
-    console = _console()
-    env = environment()
-    console.print(_escape(f"torch {env['torch']}  triton {env['triton']}  device {env['device_name']}  "
-                          f"python {env['python']}"))
-    table = Table(title="dsv4 backends")
-    for column in ("backend", "status", "plugin", "versions", "reasons"):
-        table.add_column(column, overflow="fold")
-    for name, info in statuses.items():
-        color = {"available": "green", "unavailable": "yellow"}.get(info["status"], "red")
-        versions = ", ".join(f"{k} {v}" for k, v in info["package_versions"].items()) or "-"
-        table.add_row(_escape(name), f"[{color}]{_escape(info['status'])}[/]", _escape(info.get("plugin")),
-                      _escape(versions), _escape("\n".join(info["reasons"]) or "-"))
-    console.print(table)
-    return 0
-
-
 def _outcome_label(row: Any) -> str:
     colors = {"passed": "green", "failed": "red", "error": "red", "unsupported": "yellow", "skipped": "dim"}
     if row.expectation == "xpass":
@@ -213,6 +187,7 @@ def _nothing_ran(result: Any) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dsv4.conformance.cases import default_cases, select_cases
+    from dsv4.conformance.cli_list import print_plugin_problems
     from dsv4.conformance.report import build_report, write_json, write_junit
     from dsv4.conformance.runner import run_differential, run_suite
     from dsv4.conformance.usage import (
@@ -252,12 +227,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             result = run_suite(backends, cases, device=args.device, registry=registry, progress=progress,
                                far=not args.near_only, far_gib=args.far_gib)
-    report = build_report(result)  # written before anything is printed: a console problem cannot lose them
+    # written before anything is printed: a console problem cannot lose them
+    report = build_report(result, plugins=registry.plugin_statuses())
     if args.json_path:
         write_json(report, args.json_path)
     if args.junit_path:
         write_junit(report, args.junit_path)
     _print_results(result)
+    print_plugin_problems(_console(), registry)
     nothing = _nothing_ran(result)
     if nothing:
         print(f"dsv4-conformance: {nothing}", file=sys.stderr)

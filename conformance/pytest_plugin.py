@@ -118,8 +118,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         try:
             backend = registry.get(name)
         except DSV4Error as exc:  # an unknown name is the command line's fault, not an internal error
-            reason = (format_expectation("--dsv4-backend", exc.expected, exc.received) if exc.expected
-                      else one_line(str(exc), limit=None))
+            reason = (format_expectation("--dsv4-backend", exc.expected, exc.received, registry.failed_plugins_hint())
+                      if exc.expected else one_line(str(exc), limit=None))
             raise pytest.UsageError(reason) from None
         for pattern in unmatched_expected_failures(backend, cases):
             warnings.warn(pytest.PytestWarning(

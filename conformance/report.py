@@ -3,13 +3,15 @@
 JSON (schema: ``report_schema.json``, ``"schema": "dsv4-conformance-report/1"``): top-level
 ``environment`` (versions, device, env switches), ``backends`` (name -> status, reasons, package
 versions, plugin, capabilities; plugins that failed to load appear with status ``failed``),
+``plugins`` (from the CLI: every entry point's state, error or refusal, load time),
 ``results`` (rows: ``backend``, ``op``, ``case``, ``outcome``, ``metrics`` per output,
 ``seconds``, ``reasons``, ``expected_failure``, ``expected_source``, ``params``, and
 ``unexpected_pass``: a row listed as an expected failure that passed, XPASS), ``summary``
 (counts per outcome, ``passed_all``, ``expected_failures``: rows that failed as expected (never an
 error: ``conformance.expectations``), ``unexpected_passes``, ``far_not_run``: rows whose far run found no memory here).
 
-JUnit: a failure listed as expected (within its entry) is ``<skipped message="expected failure: ...">``
+JUnit: a plugin that failed to load or was refused is a skipped testcase of the testsuite
+``dsv4.plugins``, with its reason; a failure listed as expected (within its entry) is ``<skipped message="expected failure: ...">``
 (pytest's xfail), not a failure; an unexpected pass is a passing testcase whose ``system-out``
 says so, as does one whose far run could not run. Characters XML 1.0 cannot hold (ANSI escapes, other control characters) are removed
 from every attribute and text.
@@ -22,7 +24,7 @@ import platform
 import re
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -96,13 +98,14 @@ def _is_xpass(row: dict[str, Any]) -> bool:
     return expectation(row["outcome"], row.get("expected_failure")) == "xpass"
 
 
-def build_report(result: SuiteResult) -> dict[str, Any]:
-    """The JSON report of ``result`` (a plain dict, ready for ``json.dumps``)."""
+def build_report(result: SuiteResult, plugins: Sequence[Any] | None = None) -> dict[str, Any]:
+    """The JSON report of ``result`` (a plain dict, ready for ``json.dumps``); ``plugins``: the registry's
+    ``PluginStatus`` list, reported as ``plugins`` (each entry point, failed and refused ones included)."""
     counts = result.counts()
     rows = [row.as_dict() for row in result.rows]
     for row in rows:
         row["unexpected_pass"] = _is_xpass(row)
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "environment": environment(result.device),
         "backends": result.backends,
@@ -110,6 +113,9 @@ def build_report(result: SuiteResult) -> dict[str, Any]:
         "summary": {**counts, "total": len(result.rows), "passed_all": result.passed, **expectation_counts(rows),
                     "far_not_run": sum(bool(far_not_run(row["metrics"])) for row in rows)},
     }
+    if plugins is not None:
+        report["plugins"] = [p.as_dict() for p in plugins]
+    return report
 
 
 def validate_report(report: dict[str, Any]) -> None:
@@ -161,6 +167,13 @@ def junit_xml(report: dict[str, Any]) -> str:
             _element(props, "property", name=f"version.{dist}", value=version)
         for row in rows:
             _testcase(suite, backend, row)
+    failed = [p for p in report.get("plugins", ()) if p["state"] == "failed"]
+    if failed:  # a plugin that registered nothing has no rows: said here, or CI never sees it
+        suite = _element(root, "testsuite", name="dsv4.plugins", tests=len(failed), failures=0, errors=0,
+                         skipped=len(failed), time="0")
+        for plugin in failed:
+            case = _element(suite, "testcase", classname="dsv4.plugins", name=plugin["name"], time="0")
+            _element(case, "skipped", message=f"plugin {plugin['name']} failed to load: {plugin['error']}"[:1000])
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 

@@ -27,16 +27,21 @@ class UsageError(DSV4ValueError):
 
 
 def check_backend_names(registry: Any, names: Sequence[str], argument: str = "--backend") -> None:
-    """Every name is a registered backend. A plugin that failed to load is not a usage error: its
-    ``NoBackendError`` (exit 1) names the failure."""
+    """Every name is a registered backend. A name that is not, the name of a plugin that failed to load
+    (or was refused, or blocked by ``DSV4_PLUGINS``) included, is a usage error whose hint says why that
+    plugin registered nothing (else which plugins failed)."""
     known = registry.backend_names()
-    failed = {s.name for s in registry.plugin_statuses() if s.state != "loaded"}
+    statuses = {s.name: s for s in registry.plugin_statuses()}
     for name in names:
         if name in known or name == "auto":
             continue
-        if name in failed:
-            registry.get(name)  # raises NoBackendError with the plugin's failure
-        raise UsageError.of(argument, f"one of {', '.join(known) or '(none)'}", repr(name))
+        status = statuses.get(name)
+        if status is not None and status.state != "loaded":
+            verb = "failed to load" if status.state == "failed" else "is blocked"
+            hint = f"plugin {status.label()} {verb}: {status.error or status.state}"
+        else:
+            hint = registry.failed_plugins_hint()
+        raise UsageError.of(argument, f"one of {', '.join(known) or '(none)'}", repr(name), hint=hint)
 
 
 def check_ops(ops: Sequence[str] | None, known: Sequence[str]) -> None:

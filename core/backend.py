@@ -13,7 +13,9 @@ Each reason is one plain sentence naming what is needed and what was found, so t
 
 Op methods have exactly the signatures of ``docs/ARCHITECTURE.md`` §3 (the reference ops in
 ``dsv4.reference``). A backend that does not implement an op leaves it out of
-``capabilities.ops``; the base methods raise ``BackendUnavailableError``.
+``capabilities.ops`` (whose default is all six: a plugin backend that lists an op it does not
+override is refused at registration, :meth:`Backend.unimplemented_ops`); the base methods raise
+``BackendUnavailableError``.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ class Capabilities:
     """What a backend can run, as data. ``None`` in a set-valued field means "any".
 
     Fields:
-        ops: op names it implements (subset of :data:`OP_NAMES`).
+        ops: op names it implements (subset of :data:`OP_NAMES`). The default is all six: a backend that
+            implements fewer must list them (a plugin's backend listing one it does not override is refused).
         device_types: torch device types (``"cpu"``, ``"cuda"``, ``"xpu"``, ``"npu"``); ROCm is ``"cuda"``.
         archs: exact arch names (``"sm_90"``, ``"sm_100"``, ``"gfx950"``, ``"ascend910b"``), or None.
         arch_range: inclusive CUDA SM range as integers, e.g. ``(100, 103)``; None: no range check.
@@ -322,7 +325,20 @@ class Backend:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
+    def unimplemented_ops(self) -> list[str]:
+        """Names in ``capabilities.ops`` this backend has no op method for: not an op of :data:`OP_NAMES`, or an
+        op whose method is still the base class's (which raises). Empty for a consistent backend."""
+        own = getattr(self, "__dict__", {})
+        return [op for op in sorted(self.capabilities.ops)
+                if op not in OP_NAMES or (getattr(type(self), op, None) is getattr(Backend, op) and op not in own)]
+
     def _missing(self, op: str) -> BackendUnavailableError:
+        cls = type(self).__name__
+        if op in self.capabilities.ops:  # declared (perhaps by the default, all six) but never overridden
+            return BackendUnavailableError(
+                f"op: backend {self.name} declares {op} in capabilities.ops but {cls} does not override "
+                f"Backend.{op}: implement it, or pass Capabilities(ops=...) with only the ops it implements "
+                "(the default is all six)", argument="op", expected=f"an override of Backend.{op}", received=cls)
         return BackendUnavailableError.of("op", f"one of {_names(self.capabilities.ops) or 'none'}",
                                           op, hint=f"backend {self.name} does not implement it")
 

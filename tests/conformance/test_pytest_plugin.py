@@ -1,5 +1,6 @@
 """The pytest plugin (registered by the ``pytest11`` entry point ``dsv4``): the documented invocation
-works, a backend named twice runs once, a bad device is a usage error, Triton interprets without a GPU."""
+works, a backend named twice runs once, a bad device or a backend whose plugin failed is a usage error, Triton
+interprets without a GPU."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,27 @@ def test_a_bad_device_is_a_usage_error(device, pytester):
     result = pytester.runpytest("--dsv4-backend", "reference", "--dsv4-device", device)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*--dsv4-device: expected*got '{device}'*"])
+
+
+def test_a_backend_whose_plugin_failed_is_a_usage_error_with_the_reason(pytester, monkeypatch):
+    """``--dsv4-backend vendorx`` after vendorx's import raised: exit 4, and the message says why it is missing."""
+    import types
+
+    import dsv4.registry
+    from dsv4.backends.reference import ReferenceBackend
+    from dsv4.hookspecs import hookimpl
+
+    registry = dsv4.registry.Registry()
+    registry.register_backend(ReferenceBackend())
+    plugin = types.ModuleType("vendorx_plugin")
+    plugin.dsv4_register_backends = hookimpl(lambda register: (_ for _ in ()).throw(ImportError("no libvendorx")))
+    registry.load_plugin(plugin, "vendorx", strict=False)
+    monkeypatch.setattr(dsv4.registry, "get_registry", lambda: registry)
+    result = pytester.runpytest_inprocess("--dsv4-backend", "vendorx")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    expected = "*--dsv4-backend: expected one of reference, got vendorx; plugins that failed to load: vendorx " \
+        "(ImportError: no libvendorx)*"
+    result.stderr.fnmatch_lines([expected])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU: Triton compiles")

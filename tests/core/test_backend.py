@@ -1,8 +1,13 @@
-"""dsv4.backend.OptionalImport: one import attempt, its one-line reason, and probe reasons."""
+"""dsv4.backend.OptionalImport: one import attempt, its one-line reason, and probe reasons; the op signatures
+ARCHITECTURE §3 documents are Backend's."""
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
+
 import pytest
-from dsv4.backend import REASON_CHARS, OptionalImport, missing_parameters
+from dsv4.backend import OP_NAMES, REASON_CHARS, Backend, OptionalImport, missing_parameters
 from dsv4.specs.errors import BackendUnavailableError
 
 
@@ -68,3 +73,37 @@ def test_missing_parameters_names_what_an_old_entry_point_lacks() -> None:
     assert missing_parameters(new, ("out", "attn_sink")) == []
     assert missing_parameters(anything, ("attn_sink",)) == []
     assert missing_parameters(object(), ("attn_sink",)) == ["attn_sink"]  # no signature: nothing is known
+
+
+def _documented_signature(text: str, op: str) -> tuple[list[str], list[str]]:
+    """(positional, keyword-only) parameter names of ``op(...)`` as ARCHITECTURE §3 writes it."""
+    start = text.index(f"`{op}(") + len(op) + 2
+    depth, params, current = 0, [], ""
+    for ch in text[start:]:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            params.append(current)
+            current = ""
+        else:
+            current += ch
+    params.append(current)
+    names = [re.match(r"\s*(\*|\w+)", p).group(1) for p in params]
+    star = names.index("*") if "*" in names else len(names)
+    return names[:star], names[star + 1:]
+
+
+def test_architecture_section_3_gives_every_op_its_backend_signature() -> None:
+    """docs/ARCHITECTURE.md §3 is what a vendor writes a backend from: each op's parameters, in order, and its
+    keyword-only ones are exactly Backend's (it once left out qnorm_rope_insert's ``profile``)."""
+    text = (Path(__file__).parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## 3. Ops"):text.index("## 4.")]
+    for op in OP_NAMES:
+        params = list(inspect.signature(getattr(Backend, op)).parameters.values())[1:]
+        positional = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        keyword = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert _documented_signature(section, op) == (positional, keyword), op
