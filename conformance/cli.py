@@ -8,7 +8,7 @@ Subcommands (``run`` is the default)::
     dsv4-conformance golden (--verify [--tolerance] | --regenerate) [--dir PATH]
     dsv4-conformance layer-golden FILE.json [--backend NAME] [--device DEV] [--tp N] [--cp N]
                            [--save-outputs OUT.safetensors]
-    dsv4-conformance plan  (--preset NAME | --config config.json) [--context N] [--profile P] [--json]
+    dsv4-conformance plan  (--preset NAME | --config config.json) [--context N] [--step-tokens N] [--profile P] [--json]
 
 Exit status:
 
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", help="v4-flash, v4-pro, tiny, tiny-g2")
     source.add_argument("--config", help="path of a config.json")
     p.add_argument("--context", type=int, default=1 << 20, help="tokens in the request (default 1048576)")
+    p.add_argument("--step-tokens", type=int, default=1,
+                   help="tokens of the request's latest step: window groups hold the window plus the step until the "
+                        "next plan (default 1, a decode; the engine's most tokens a step to size a pool)")
     p.add_argument("--profile", default="deepseek")
     p.add_argument("--geometry", default="vllm")
     p.add_argument("--json", action="store_true")
@@ -364,6 +367,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     check_positive("--context", args.context)  # a request of 0 tokens has no per-token cost
+    check_positive("--step-tokens", args.step_tokens)
     if args.preset:
         cfg = ModelConfig.preset(args.preset)
     else:
@@ -375,12 +379,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not isinstance(hf_config, dict):
             raise ConfigError.of("--config", "a JSON object (a Hugging Face config.json)", type(hf_config).__name__)
         cfg = ModelConfig.from_hf_config(hf_config)
-    report = plan_report(cfg, args.context, profile=args.profile, geometry=args.geometry)
+    report = plan_report(cfg, args.context, profile=args.profile, geometry=args.geometry,
+                         step_tokens=args.step_tokens)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
         return 0
     console = _console()
-    table = Table(title=_escape(f"KV memory for one request of {args.context} tokens "
+    table = Table(title=_escape(f"KV memory for one request of {args.context} tokens, {args.step_tokens} in its latest step "
                                 f"({report['profile']}, {report['geometry']} geometry)"))
     for column in ("layer kind", "ratio", "layers", "bytes/token/layer", "bytes"):
         table.add_column(column, justify="right")

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
     (["plan", "--config", "no/such/config.json"], ["--config", "an existing file"]),
     (["plan", "--preset", "v4-pro", "--context", "0"], ["--context", "an int >= 1", "got 0"]),
     (["plan", "--preset", "v4-pro", "--context", "0", "--json"], ["--context"]),
+    (["plan", "--preset", "v4-pro", "--step-tokens", "0"], ["--step-tokens", "an int >= 1", "got 0"]),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, words, capsys):
     assert main(argv) == 2

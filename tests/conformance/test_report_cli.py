@@ -87,6 +87,14 @@ def test_cli_plan_figures_follow_spec_9(preset, capsys):
     assert plan["layer_kinds"]["hca"]["payload_bytes_per_token_per_layer"] == 584 / 128
     assert plan["layer_kinds"]["csa"]["payload_bytes_per_token_per_layer"] == (584 + 68) / 4
     assert plan["totals"]["bytes"] == sum(g["bytes"] for g in plan["groups"]) > 0
+    assert plan["step_tokens"] == 1
+    assert main(["plan", "--preset", preset, "--context", "1048576", "--step-tokens", "8192", "--json"]) == 0
+    chunked = {g["name"]: g["pages_per_layer"] for g in json.loads(capsys.readouterr().out)["groups"]}
+    decode = {g["name"]: g["pages_per_layer"] for g in plan["groups"]}
+    # docs/memory.md §3: a window group holds cdiv(w - 2 + n, b) + 1 pages; growing groups do not change
+    assert decode["c128_state"] == 17 and chunked["c128_state"] == -(-(128 - 2 + 8192) // 8) + 1
+    assert decode["swa"] == 3 and chunked["swa"] == -(-(128 - 2 + 8192) // 64) + 1
+    assert chunked["c4_kv"] == decode["c4_kv"]
 
 
 def _cli(env_extra: dict, *args: str) -> subprocess.CompletedProcess:
