@@ -43,6 +43,7 @@ from dsv4.conformance.expectations import (
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.input_guard import InputGuard
+from dsv4.conformance.layout import LayoutCheck
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
 from dsv4.conformance.placement import FAR_GIB, far_pages
 from dsv4.conformance.tolerances import tolerance_for
@@ -317,12 +318,14 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
 
             run = prepare_to(run, device)
         guard = InputGuard(run)
-        actual = execute(run, getattr(backend, case.op))
+        layout = LayoutCheck(case.op, prepared.returns, getattr(backend, case.op))
+        actual = execute(run, layout)
         lse_required = _lse_required(backend, case)
         row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required)
         if case.op == "indexer_topk":
             row.metrics["slots"] = slots_metric(backend, prepared, run, actual["topk"])
         row.metrics.update(guard.metrics())
+        row.metrics.update(layout.metrics())
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
         row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
@@ -424,10 +427,11 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 guard_a = InputGuard(run_a)  # A's outputs are B's expected values: A may not edit its inputs either
                 out_a = execute(run_a, getattr(a, case.op))
                 guard = InputGuard(run_b)
-                out_b = execute(run_b, getattr(b, case.op))
+                layout = LayoutCheck(case.op, prepared.returns, getattr(b, case.op))
+                out_b = execute(run_b, layout)
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics(),
-                               **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
+                               **layout.metrics(), **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)

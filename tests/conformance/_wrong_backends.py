@@ -17,3 +17,14 @@ class AfterSwaWrite(ReferenceBackend):
                                         kv_format=kv_format, eps=eps, profile=profile)
         self.corrupt(swa_cache, swa_slot_mapping, kv_format)
         return out
+
+
+class HeadMajorOut(ReferenceBackend):
+    """Sparse attention whose ``out`` holds the right values in a head-major layout (a ``[H, T, 512]``
+    buffer transposed): eager callers see nothing, torch.compile trusts the fake kernel's contiguous strides."""
+
+    name = "head-major-out"
+
+    def sparse_attention(self, *args, **kwargs):
+        out, lse = super().sparse_attention(*args, **kwargs)
+        return out.transpose(0, 1).contiguous().transpose(0, 1), lse
