@@ -131,11 +131,16 @@ def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
 
 
 def first_failure(op: str, metrics: dict[str, Any]) -> str:
-    """``op.output: reason; max abs err E at [where]`` of the first failing metric, or ""."""
-    for name, m in metrics.items():
-        if isinstance(m, dict) and m.get("passed") is False:
-            where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
-            return f"{op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
+    """``op.output: reason`` of the first failing metric ("" if none), a modified input first (it can be why
+    an output is wrong), then ``; max abs err E at [where]`` where an element is off by more than zero (a
+    reason says where its NaN positions, cache slots or modified inputs are)."""
+    failing = [(name, m) for name, m in metrics.items() if isinstance(m, dict) and m.get("passed") is False]
+    for name, m in sorted(failing, key=lambda item: item[0].split("@")[0] != "inputs"):
+        text = f"{op}.{name}: {m.get('reason', 'failed')}"
+        error, where = m.get("max_abs_err"), m.get("max_abs_where")
+        if isinstance(error, (int, float)) and error > 0 and where is not None:
+            text += f"; max abs err {error} at {where}"
+        return text
     return ""
 
 

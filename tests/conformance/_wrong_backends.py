@@ -1,6 +1,7 @@
 """Deliberately wrong backends shared by the conformance tests (each must fail the suite)."""
 from __future__ import annotations
 
+import torch
 from dsv4.backends.reference import ReferenceBackend
 
 
@@ -17,6 +18,27 @@ class AfterSwaWrite(ReferenceBackend):
                                         kv_format=kv_format, eps=eps, profile=profile)
         self.corrupt(swa_cache, swa_slot_mapping, kv_format)
         return out
+
+
+class StrayWrite(AfterSwaWrite):
+    """Writes one row more than it was given (a write rounded up to an even count): the last written slot's
+    row again, at the next slot that no token of the call names. ``stray`` records the slots it wrote."""
+
+    name = "stray-write"
+
+    def __init__(self) -> None:
+        self.stray: list[int] = []
+
+    def corrupt(self, swa_cache, swa_slot_mapping, kv_format):
+        from dsv4.codecs import get_codec
+
+        codec = get_codec(kv_format)
+        written = swa_slot_mapping[swa_slot_mapping >= 0].tolist()
+        capacity = swa_cache.shape[0] * codec.block_size_of(swa_cache)
+        stray = next(s % capacity for s in range(written[-1] + 1, written[-1] + capacity) if s % capacity not in written)
+        row = codec.read_rows(swa_cache, torch.tensor([written[-1]]))
+        codec.write_rows(swa_cache, torch.tensor([stray]), row)
+        self.stray.append(stray)
 
 
 class HeadMajorOut(ReferenceBackend):
