@@ -36,7 +36,7 @@ __all__ = [
     "select_cases",
 ]
 
-GENERATOR_VERSION = "2"  # 2: -1 holes inside extra_lens (sparse_attention)
+GENERATOR_VERSION = "3"  # 2: -1 holes inside extra_lens; 3: stale slots past lens (sparse_attention)
 
 _KIND_LAYER = {"swa": 0, "csa": 1, "hca": 2}  # layer ids of the "tiny" preset (ratios 0, 4, 128, 0)
 _KIND_RATIO = {"swa": 1, "csa": 4, "hca": 128}
@@ -268,9 +268,12 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
 
 
 def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, holes: bool) -> torch.Tensor:
-    rows = torch.full((len(lens), width), -1, dtype=torch.int32)
+    """``[len(lens), width]`` distinct slots of ``pool`` written rows per token. Past ``lens[t]`` they stay
+    slots of real rows, as in an engine's persistent index buffers (stale entries of earlier steps): SPEC §7
+    reads only the first ``lens[t]``, and a backend that reads one more changes the result."""
+    rows = torch.empty((len(lens), width), dtype=torch.int32)
     for t, n in enumerate(lens):
-        rows[t, :n] = _perm(g, pool)[:n].to(torch.int32)
+        rows[t] = _perm(g, pool)[:width].to(torch.int32)
         if holes and n > 3 and t % 3 == 1:  # SPEC §7: -1 inside the first lens entries is skipped
             rows[t, 1] = -1
     return rows

@@ -41,6 +41,27 @@ class StrayWrite(AfterSwaWrite):
         self.stray.append(stray)
 
 
+class ReadsPastLens(ReferenceBackend):
+    """Sparse attention that reads ``past`` entries more than ``lens[t]`` of every index row (SWA and extra),
+    or the whole row when ``past`` is None (lens ignored, -1 entries still skipped). SPEC §7 reads the first
+    ``lens[t]`` only; an engine's persistent index buffers hold stale slots past it."""
+
+    def __init__(self, past: int | None) -> None:
+        self.past = past
+        self.name = "ignores-lens" if past is None else f"reads-{past}-past-lens"
+
+    def _lens(self, indices, lens):
+        width = indices.shape[1]
+        return torch.full_like(lens, width) if self.past is None else (lens + self.past).clamp(max=width)
+
+    def sparse_attention(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink,
+                         **kwargs):
+        if extra_indices is not None:
+            extra_lens = self._lens(extra_indices, extra_lens)
+        return super().sparse_attention(q, swa_cache, swa_indices, self._lens(swa_indices, swa_lens), extra_cache,
+                                        extra_indices, extra_lens, sink, **kwargs)
+
+
 class HeadMajorOut(ReferenceBackend):
     """Sparse attention whose ``out`` holds the right values in a head-major layout (a ``[H, T, 512]``
     buffer transposed): eager callers see nothing, torch.compile trusts the fake kernel's contiguous strides."""

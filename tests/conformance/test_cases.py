@@ -1,13 +1,24 @@
 """What the generated cases contain: the inputs serving produces, so a backend that mishandles them fails."""
 from __future__ import annotations
 
+import pytest
 import torch
+from _wrong_backends import ReadsPastLens
 from dsv4.backends.reference import ReferenceBackend
+from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.runner import run_suite
 from dsv4.registry import Registry
 
-EXTRA_CASES = select_cases(default_cases(), ["sparse_attention"], "not swa")
+SPARSE_CASES = select_cases(default_cases(), ["sparse_attention"])
+EXTRA_CASES = select_cases(SPARSE_CASES, keyword="not swa")
+
+
+def _run(backend, cases):
+    reg = Registry()
+    reg.register_backend(ReferenceBackend())
+    reg.register_backend(backend)
+    return run_suite([backend.name], cases, registry=reg, far=False).rows
 
 
 def _holes_inside_lens(indices: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -44,5 +55,33 @@ def test_a_hole_read_as_slot_0_fails():
     reg.register_backend(ExtraHoleAsSlot0())
     cases = select_cases(EXTRA_CASES, keyword="deepseek")
     rows = run_suite(["extra-hole-as-slot0"], cases, registry=reg, far=False).rows
-    assert len(rows) == 4 and all(r.outcome == "failed" for r in rows), [(r.case, r.outcome) for r in rows]
+    assert len(rows) == len(cases) >= 4 and all(r.outcome == "failed" for r in rows), [(r.case, r.outcome) for r in rows]
     assert all(r.metrics["out"]["passed"] is False for r in rows)
+
+
+def test_index_rows_hold_slots_of_written_rows_past_lens():
+    """An engine's persistent index buffers keep stale slots past lens[t], which SPEC §7 never reads: every
+    entry past lens, SWA and extra, is a slot of a written row (reading it changes the result), and every
+    prefill case has such entries in each of its lists."""
+    for case in SPARSE_CASES:
+        args = prepare(case).steps[0][0]
+        codec = get_codec(case.cache_format)
+        for cache, indices, lens in ((args[1], args[2], args[3]), (args[4], args[5], args[6])):
+            if indices is None:
+                continue
+            stale = indices[torch.arange(indices.shape[1])[None, :] >= lens[:, None].long()]
+            assert case.variant == "decode" or stale.numel() > 0, case.id
+            rows = codec.read_rows(cache, stale.to(torch.int64))  # raises on -1 or a slot past the cache
+            assert bool((stale >= 0).all()) and bool(rows.isfinite().all()), case.id
+            assert bool((rows.abs().amax(1) > 0).all()), case.id
+
+
+@pytest.mark.parametrize("past", [1, None])
+def test_reading_past_lens_fails(past):
+    """A window one entry too long, or lens ignored (the whole row read, -1 skipped), fails every prefill
+    case: the rows past lens hold real slots."""
+    cases = select_cases(SPARSE_CASES, keyword="prefill and vllm")
+    rows = _run(ReadsPastLens(past), cases)
+    assert len(rows) == len(cases) >= 4
+    assert all(r.outcome == "failed" and r.metrics["out"]["passed"] is False for r in rows), \
+        [(r.case, r.outcome) for r in rows]
