@@ -62,6 +62,22 @@ class ReadsPastLens(ReferenceBackend):
                                         extra_indices, extra_lens, sink, **kwargs)
 
 
+class SinkPerHeadTile(ReferenceBackend):
+    """Indexes the sink per tile of ``tile`` heads (head h gets sink[h % tile]): right for up to ``tile``
+    heads, wrong past them."""
+
+    name = "sink-per-head-tile"
+
+    def __init__(self, tile: int = 8) -> None:
+        self.tile = tile
+
+    def sparse_attention(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink,
+                         **kwargs):
+        tiled = sink[torch.arange(q.shape[1], device=sink.device) % self.tile]
+        return super().sparse_attention(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices,
+                                        extra_lens, tiled, **kwargs)
+
+
 class HeadMajorOut(ReferenceBackend):
     """Sparse attention whose ``out`` holds the right values in a head-major layout (a ``[H, T, 512]``
     buffer transposed): eager callers see nothing, torch.compile trusts the fake kernel's contiguous strides."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _wrong_backends import ReadsPastLens
+from _wrong_backends import ReadsPastLens, SinkPerHeadTile
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, prepare, select_cases
@@ -85,3 +85,22 @@ def test_reading_past_lens_fails(past):
     assert len(rows) == len(cases) >= 4
     assert all(r.outcome == "failed" and r.metrics["out"]["passed"] is False for r in rows), \
         [(r.case, r.outcome) for r in rows]
+
+
+def test_cases_with_more_heads_than_the_tiny_preset():
+    """The tiny preset has 8 heads; vendor kernels tile and pad heads (16, 64, 128). Sparse attention runs
+    16, 128 (two 64-head tiles) and a count that is no power of two; qnorm_rope_insert a count past 8."""
+    heads = {prepare(c).steps[0][0][0].shape[1] for c in SPARSE_CASES}
+    assert {8, 16, 128} <= heads and any(h & (h - 1) for h in heads), heads
+    qnorm = {prepare(c).steps[0][0][0].shape[1] for c in default_cases() if c.op == "qnorm_rope_insert"}
+    assert any(h > 8 for h in qnorm), qnorm
+    assert all(c.id.endswith(f"-h{c.heads}") for c in default_cases() if c.heads is not None)
+
+
+def test_a_sink_indexed_per_8_head_tile_fails_the_cases_with_more_heads():
+    many = [c for c in SPARSE_CASES if c.heads is not None]
+    eight = select_cases([c for c in SPARSE_CASES if c.heads is None], keyword="vllm and decode")
+    rows = {r.case: r for r in _run(SinkPerHeadTile(8), many + eight)}
+    assert len(many) >= 3 and all(rows[c.id].outcome == "failed" for c in many), [(r.case, r.outcome) for r in
+                                                                                  rows.values()]
+    assert all(rows[c.id].outcome == "passed" for c in eight)  # right for 8 heads: only the new cases see it
