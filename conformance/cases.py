@@ -36,7 +36,7 @@ __all__ = [
     "select_cases",
 ]
 
-GENERATOR_VERSION = "2"  # 2: -1 holes inside extra_lens (sparse_attention)
+GENERATOR_VERSION = "3"  # 2: -1 holes inside extra_lens; 3: stale slots past lens (sparse_attention)
 
 _KIND_LAYER = {"swa": 0, "csa": 1, "hca": 2}  # layer ids of the "tiny" preset (ratios 0, 4, 128, 0)
 _KIND_RATIO = {"swa": 1, "csa": 4, "hca": 128}
@@ -46,7 +46,8 @@ _BLOCK = 16  # tokens a page in every cache the cases build
 
 @dataclass(frozen=True)
 class Case:
-    """One conformance case. ``id`` is ``op/kind/profile/format/variant`` (``-`` where n/a)."""
+    """One conformance case. ``id`` is ``op/kind/profile/format/variant`` (``-`` where n/a), the variant
+    suffixed ``-h<heads>`` where ``heads`` overrides the config's query head count."""
 
     op: str
     kind: str
@@ -54,10 +55,12 @@ class Case:
     cache_format: str
     variant: str
     config: str = "tiny"
+    heads: int | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.op}/{self.kind}/{self.profile}/{self.cache_format}/{self.variant}"
+        variant = self.variant if self.heads is None else f"{self.variant}-h{self.heads}"
+        return f"{self.op}/{self.kind}/{self.profile}/{self.cache_format}/{variant}"
 
     @property
     def seed(self) -> int:
@@ -72,7 +75,7 @@ class Case:
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "op": self.op, "kind": self.kind, "profile": self.profile,
                 "cache_format": self.cache_format, "variant": self.variant, "config": self.config,
-                "seed": self.seed}
+                "heads": self.heads, "seed": self.seed}
 
 
 @dataclass
@@ -143,7 +146,7 @@ def _block_table(g: torch.Generator, num_requests: int, blocks_each: int) -> tup
 # ---------------------------------------------------------------------------------------------------
 def _qnorm_rope_insert(case: Case, g: torch.Generator) -> Prepared:
     cfg = _config(case.config)
-    heads, dim = cfg.num_attention_heads, cfg.head_dim
+    heads, dim = case.heads or cfg.num_attention_heads, cfg.head_dim
     # a prefill of 7 tokens, one decode far into its request, one padding token (slot -1)
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 300, 0], dtype=torch.int64)
     num_tokens = positions.numel()
@@ -268,9 +271,12 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
 
 
 def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, holes: bool) -> torch.Tensor:
-    rows = torch.full((len(lens), width), -1, dtype=torch.int32)
+    """``[len(lens), width]`` distinct slots of ``pool`` written rows per token. Past ``lens[t]`` they stay
+    slots of real rows, as in an engine's persistent index buffers (stale entries of earlier steps): SPEC §7
+    reads only the first ``lens[t]``, and a backend that reads one more changes the result."""
+    rows = torch.empty((len(lens), width), dtype=torch.int32)
     for t, n in enumerate(lens):
-        rows[t, :n] = _perm(g, pool)[:n].to(torch.int32)
+        rows[t] = _perm(g, pool)[:width].to(torch.int32)
         if holes and n > 3 and t % 3 == 1:  # SPEC §7: -1 inside the first lens entries is skipped
             rows[t, 1] = -1
     return rows
@@ -278,14 +284,14 @@ def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, hole
 
 def _sparse_attention(case: Case, g: torch.Generator) -> Prepared:
     cfg = _config(case.config)
-    heads, dim, window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    heads, dim, window = case.heads or cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     codec = _codec(case.cache_format)
     swa_blocks = -(-2 * window // _BLOCK)
     swa_cache = codec.allocate(swa_blocks, _BLOCK)
     all_slots = torch.arange(swa_blocks * _BLOCK, dtype=torch.int64)
     codec.write_rows(swa_cache, all_slots, _randn(g, all_slots.numel(), dim))
     decode = case.variant == "decode"
-    num_tokens = 3 if decode else 12
+    num_tokens = 3 if decode else 6 if case.heads else 12  # the head cases stay small (Triton interpreter)
     if decode:
         swa_lens = [window] * num_tokens
     else:  # row 0: nothing visible at all (out 0, lse +inf); others partial windows
@@ -376,6 +382,12 @@ def default_cases() -> list[Case]:
     cases.append(Case("sparse_attention", "csa", "vllm", "bf16", "prefill"))
     # per-tensor fp8 rows (SPEC §9.2), the FlashInfer SM10x format: the suite states what its q rule costs
     cases.append(Case("sparse_attention", "csa", "vllm", "fp8_e4m3", "decode"))
+    # more heads than the tiny preset's 8: two head tiles of a 64-head kernel (128, v4-pro's count), one tile
+    # of 16, and a count no tile size divides (12), so that a bug per head tile or in the padded heads shows
+    cases.append(Case("sparse_attention", "swa", "vllm", "bf16", "decode", heads=128))
+    cases.append(Case("sparse_attention", "csa", "deepseek", "fp8_ds_mla", "decode", heads=16))
+    cases.append(Case("sparse_attention", "hca", "vllm", "fp8_ds_mla", "prefill", heads=12))
+    cases.append(Case("qnorm_rope_insert", "swa", "vllm", "fp8_ds_mla", "mixed", heads=12))
     for config, kind in (("tiny", "swa"), ("tiny-g2", "csa")):
         for variant in ("bf16", "fp8"):
             cases.append(Case("output_projection", kind, "-", "-", variant, config=config))

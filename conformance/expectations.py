@@ -3,8 +3,8 @@ counts as one.
 
 An entry is a case-id glob (fnmatch) -> a reason, or a :class:`dsv4.backend.ExpectedFailure` whose bounds
 say how far it fails (``{"out.cos_diff": 1e-3}``). A row is an expected failure (``xfail``) only when it
-*failed* on numerics and stayed within the entry: an exception (``error``), a modified input or a far run
-that raised is never one, and with bounds every failing output must be bounded and within them. A listed
+*failed* on numerics and stayed within the entry: an exception (``error``), a modified input, an output
+layout other than the fake kernel's or a far run that raised is never one, and with bounds every failing output must be bounded and within them. A listed
 row that passed is ``xpass``. The table, the JSON summary, JUnit and the pytest plugin share this rule.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ __all__ = [
     "unmatched_expected_failures",
 ]
 
-# metrics whose failure is not numerics: a far run that raised, an input the backend changed
-_NEVER_EXPECTED = ("run", "inputs")
+# metrics whose failure is not numerics: a far run that raised, an input the backend changed, an output
+# laid out otherwise than the op's fake kernel promises
+_NEVER_EXPECTED = ("run", "inputs", "layout")
 
 
 def expectation(outcome: str, expected_failure: str | None) -> str | None:

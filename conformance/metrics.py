@@ -3,7 +3,8 @@ cosine difference, NaN/Inf position mismatches, and for caches a byte-exact flag
 
 All comparisons run on the CPU in float64. ``where`` is a multi-dimensional index (a list of
 ints) into the compared tensor; for caches it is ``[slot, element]`` of the dequantized rows and
-``[block, byte]`` of the first differing byte.
+``[block, byte]`` of the first differing byte, and ``first_difference`` says where that byte lies: page,
+token, slot (SPEC §10) and field (:func:`cache_place`). A cache's reason names the slot of each problem.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from dsv4.conformance.tolerances import Tolerance, cache_element_rule
 
-__all__ = ["check_topk", "compare_cache", "compare_tensor", "cosine_difference", "topk_scores"]
+__all__ = ["cache_place", "check_topk", "compare_cache", "compare_tensor", "cosine_difference", "topk_scores"]
 
 
 def _where(flat_index: int, shape: torch.Size) -> list[int]:
@@ -71,7 +72,9 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     metrics["cos_diff"] = cosine_difference(torch.where(finite, a, zero), torch.where(finite, e, zero))
     reasons = []
     if nan_mismatch or inf_mismatch:
-        reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf)")
+        special = (a.isnan() != e.isnan()) | ((a == math.inf) != (e == math.inf)) | ((a == -math.inf) != (e == -math.inf))
+        where = _where(int(special.flatten().nonzero()[0]), a.shape)
+        reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf; first at {where})")
     if tol.max_fail_of_block_amax is not None:
         reasons += _failing_elements_capped(diff, torch.where(finite, e, torch.zeros_like(e)), ~element_ok, tol,
                                             metrics)
@@ -125,7 +128,9 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
     """Byte-exact check of a cache storage; where bytes differ, every padding byte (a byte format's bytes
     outside its fields: scale pad, record tails, page tail) must still be equal, and the dequantized rows
     of every slot must agree within one ULP of the type each element is stored in (``cache_element_rule``:
-    e4m3 for quantized fields, bf16 for bf16 ones), with the same NaN positions (SPEC §13)."""
+    e4m3 for quantized fields, bf16 for bf16 ones), with the same NaN positions (SPEC §13). The reason
+    leads with slots written or left unwritten against the reference, then values, then padding, each
+    naming its first slot (page, token) and field."""
     if tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype:
         return {"passed": False, "byte_exact": False,
                 "reason": f"storage {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"}
@@ -141,19 +146,16 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
     if codec is None:  # a typed, unquantized storage: no e4m3 ULP to allow, so the elements under ``tol``
         element = compare_tensor(actual, expected, tol)
         metrics.update({k: v for k, v in element.items() if k != "passed"}, passed=element["passed"])
+        if not element["passed"] and actual.dim() == 3:
+            metrics["reason"] = f"[page, token, element] indices: {metrics['reason']}"
         return metrics
     block = codec.block_size_of(expected)
-    reasons = []
-    if hasattr(codec, "field_byte_mask"):  # SPEC §9.1: pad bytes are written 0, the page tail left alone
-        padding = differs & ~codec.field_byte_mask(block, expected.shape[1])
-        metrics["padding_bytes_differing"] = int(padding.sum())
-        if padding.any():
-            where = _where(int(padding.flatten().nonzero()[0]), a_bytes.shape)
-            reasons.append(f"{metrics['padding_bytes_differing']} padding bytes differ (first at [block, byte] "
-                           f"{where}): SPEC §9.1: pad bytes are written 0, the page tail is never touched")
+    pages = _PageMap(codec, block, a_bytes.shape[1])
+    metrics["first_difference"] = pages.place(*metrics["first_byte_where"])
     slots = torch.arange(expected.shape[0] * block, dtype=torch.int64)
     a = codec.read_rows(actual.detach().cpu(), slots).double()
     e = codec.read_rows(expected.detach().cpu(), slots).double()
+    reasons = _written_slots(pages, differs, a, e)
     bits, floors = _element_rules(codec, e)
     finite_e = torch.where(e.isfinite(), e.abs(), torch.zeros_like(e))
     ulp = torch.exp2(torch.floor(torch.log2(finite_e.clamp_min(1e-300))) - bits)
@@ -164,20 +166,119 @@ def compare_cache(actual: torch.Tensor, expected: torch.Tensor, codec: Any | Non
     metrics.update({k: v for k, v in within.items() if k not in ("passed", "reason", "pass_fraction")})
     metrics["dequantized_within_one_ulp"] = bool(ok.all())
     metrics["pass_fraction"] = float(ok.double().mean())
-    metrics["where_is"] = "max_abs_where = [slot, element] of dequantized rows; first_byte_where = [block, byte]"
-    if within["nan_mismatch"] or within["inf_mismatch"]:
-        reasons.append(f"written/unwritten slots differ: {within['nan_mismatch']} NaN and "
-                       f"{within['inf_mismatch']} Inf position mismatches in dequantized rows")
+    metrics["where_is"] = ("max_abs_where = [slot, element] of dequantized rows; first_byte_where = [block, byte], "
+                           "first_difference = where that byte lies")
     if not ok.all():
         bad = (~ok).flatten().nonzero()[0]
         slot, element = _where(int(bad), a.shape)
         stored = next(t for t, end in _ends(codec.row_elements) if element < end)
-        reasons.append(f"bytes differ and dequantized value at [slot, element] {[slot, element]} is more than one "
-                       f"{stored} ULP off")
+        reasons.append(f"{_count(int((~ok).sum()), 'dequantized value')} off, first {_slot_text(slot, block)} element "
+                       f"{element}: bytes differ and the value is more than one {stored} ULP off")
+    if hasattr(codec, "field_byte_mask"):  # SPEC §9.1: pad bytes are written 0, the page tail left alone
+        padding = differs & ~codec.field_byte_mask(block, pages.page_bytes)
+        metrics["padding_bytes_differing"] = int(padding.sum())
+        if padding.any():
+            place = pages.place(*_where(int(padding.flatten().nonzero()[0]), a_bytes.shape))
+            count = metrics["padding_bytes_differing"]
+            reasons.append(f"{_count(count, 'padding byte')} {'differs' if count == 1 else 'differ'}, first "
+                           f"{_place_text(place)}: SPEC §9.1: pad bytes are written 0, the page tail is never touched")
     metrics["passed"] = not reasons
     if reasons:
         metrics["reason"] = "; ".join(reasons)
     return metrics
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _slot_text(slot: int, block_size: int) -> str:
+    return f"slot {slot} (page {slot // block_size}, token {slot % block_size})"
+
+
+def _place_text(place: dict[str, Any]) -> str:
+    if place["slot"] is None:
+        return f"page {place['page']}, {place['field']}"
+    where = f"slot {place['slot']} (page {place['page']}, token {place['token']})"
+    return f"{where}, field {place['field']}" if place["field"] else f"{where}, element {place['element']}"
+
+
+class _PageMap:
+    """Which token and field each byte of a page of a ``codec`` cache belongs to (SPEC §9, §10)."""
+
+    def __init__(self, codec: Any, block_size: int, page_bytes: int) -> None:
+        self.codec, self.block_size, self.page_bytes = codec, block_size, page_bytes
+        self.token = torch.full((page_bytes,), -1, dtype=torch.int64)  # -1: page tail
+        if hasattr(codec, "sections"):  # a byte format: B records of each section, back to back
+            start = 0
+            for _section, width in codec.sections:
+                self.token[start: start + block_size * width] = torch.arange(block_size).repeat_interleave(width)
+                start += block_size * width
+            self._fields: list[tuple[str, torch.Tensor]] | None = None
+        else:
+            token_bytes = codec.format.token_bytes
+            self.token[: block_size * token_bytes] = torch.arange(block_size).repeat_interleave(token_bytes)
+
+    def fields(self) -> list[tuple[str, torch.Tensor]]:
+        """``(field, bool [page_bytes])`` per field of a byte format: the bytes ``unpack_page`` reads as it."""
+        if self._fields is None:
+            codec, block, size = self.codec, self.block_size, self.page_bytes
+            probe = codec.unpack_page(torch.full((1, size), 0xFF, dtype=torch.uint8), block)
+            self._fields = [(name, codec.pack_page({k: v if k == name else torch.zeros_like(v)
+                                                    for k, v in probe.items()}, block, size)[0] != 0)
+                            for name in probe]
+        return self._fields
+
+    def place(self, page: int, byte: int) -> dict[str, Any]:
+        token = int(self.token[byte])
+        place: dict[str, Any] = {"page": page, "token": None if token < 0 else token,
+                                 "slot": None if token < 0 else page * self.block_size + token}
+        if token < 0:
+            place["field"] = "page tail"
+        elif hasattr(self.codec, "sections"):
+            start = 0
+            for section, width in self.codec.sections:
+                if byte < start + self.block_size * width:
+                    break
+                start += self.block_size * width
+            place["field"] = next((name for name, mask in self.fields() if mask[byte]), f"{section} padding")
+        else:
+            token_bytes = self.codec.format.token_bytes
+            place["field"], place["element"] = None, byte % token_bytes // (token_bytes // self.codec.row_dim)
+        return place
+
+    def first_differing(self, differs: torch.Tensor, slot: int) -> dict[str, Any]:
+        """The place of ``slot``'s first differing byte (``differs``: bool ``[pages, page_bytes]``)."""
+        page, token = divmod(slot, self.block_size)
+        hit = (differs[page] & (self.token == token)).nonzero()
+        return self.place(page, int(hit[0]) if hit.numel() else int((self.token == token).nonzero()[0]))
+
+
+def cache_place(codec: Any, block_size: int, page_bytes: int, page: int, byte: int) -> dict[str, Any]:
+    """Where byte ``byte`` of page ``page`` of a ``codec`` cache (``page_bytes`` a page) lies: ``{"page", "token",
+    "slot", "field"}`` with slot = page * B + token (SPEC §10). ``field``: a byte format's field (``nope``,
+    ``scale``...), ``<section> padding`` for a pad byte, ``page tail`` past the records (token and slot None);
+    None for a row format, whose place has ``element`` instead."""
+    return _PageMap(codec, block_size, page_bytes).place(page, byte)
+
+
+def _written_slots(pages: _PageMap, differs: torch.Tensor, a: torch.Tensor, e: torch.Tensor) -> list[str]:
+    """Reasons for slots written where the reference wrote nothing (a poisoned, all-NaN row) or left unwritten
+    where it wrote, then for other NaN/Inf positions that differ; each names its first slot."""
+    a_empty, e_empty = a.isnan().all(1), e.isnan().all(1)
+    reasons = []
+    for rows, what in (((~a_empty) & e_empty, "written where the reference writes nothing (a stray write)"),
+                       (a_empty & ~e_empty, "left unwritten where the reference writes")):
+        if rows.any():
+            first = pages.first_differing(differs, int(rows.nonzero()[0]))
+            reasons.append(f"{_count(int(rows.sum()), 'slot')} {what}, first {_place_text(first)}")
+    special = (a.isnan() != e.isnan()) | ((a == math.inf) != (e == math.inf)) | ((a == -math.inf) != (e == -math.inf))
+    special[a_empty != e_empty] = False
+    if special.any():
+        slot, element = _where(int(special.flatten().nonzero()[0]), a.shape)
+        reasons.append(f"NaN/Inf positions differ in {_count(int(special.any(1).sum()), 'slot')} of the dequantized "
+                       f"rows, first {_slot_text(slot, pages.block_size)} element {element}")
+    return reasons
 
 
 def _ends(runs: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:

@@ -43,6 +43,7 @@ from dsv4.conformance.expectations import (
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
 from dsv4.conformance.input_guard import InputGuard
+from dsv4.conformance.layout import LayoutCheck
 from dsv4.conformance.metrics import check_topk, compare_cache, compare_tensor, topk_scores
 from dsv4.conformance.placement import FAR_GIB, far_pages
 from dsv4.conformance.tolerances import tolerance_for
@@ -130,11 +131,16 @@ def _request(backend_device: torch.device, prepared: Prepared) -> OpRequest:
 
 
 def first_failure(op: str, metrics: dict[str, Any]) -> str:
-    """``op.output: reason; max abs err E at [where]`` of the first failing metric, or ""."""
-    for name, m in metrics.items():
-        if isinstance(m, dict) and m.get("passed") is False:
-            where = m.get("max_abs_where") or m.get("first_fail_where") or m.get("first_byte_where")
-            return f"{op}.{name}: {m.get('reason', 'failed')}; max abs err {m.get('max_abs_err', '-')} at {where}"
+    """``op.output: reason`` of the first failing metric ("" if none), a modified input first (it can be why
+    an output is wrong), then ``; max abs err E at [where]`` where an element is off by more than zero (a
+    reason says where its NaN positions, cache slots or modified inputs are)."""
+    failing = [(name, m) for name, m in metrics.items() if isinstance(m, dict) and m.get("passed") is False]
+    for name, m in sorted(failing, key=lambda item: item[0].split("@")[0] != "inputs"):
+        text = f"{op}.{name}: {m.get('reason', 'failed')}"
+        error, where = m.get("max_abs_err"), m.get("max_abs_where")
+        if isinstance(error, (int, float)) and error > 0 and where is not None:
+            text += f"; max abs err {error} at {where}"
+        return text
     return ""
 
 
@@ -317,12 +323,14 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
 
             run = prepare_to(run, device)
         guard = InputGuard(run)
-        actual = execute(run, getattr(backend, case.op))
+        layout = LayoutCheck(case.op, prepared.returns, getattr(backend, case.op))
+        actual = execute(run, layout)
         lse_required = _lse_required(backend, case)
         row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required)
         if case.op == "indexer_topk":
             row.metrics["slots"] = slots_metric(backend, prepared, run, actual["topk"])
         row.metrics.update(guard.metrics())
+        row.metrics.update(layout.metrics())
         if far and prepared.pages:
             row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
         row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
@@ -424,10 +432,11 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
                 guard_a = InputGuard(run_a)  # A's outputs are B's expected values: A may not edit its inputs either
                 out_a = execute(run_a, getattr(a, case.op))
                 guard = InputGuard(run_b)
-                out_b = execute(run_b, getattr(b, case.op))
+                layout = LayoutCheck(case.op, prepared.returns, getattr(b, case.op))
+                out_b = execute(run_b, layout)
                 lse = _lse_required(a, case) and _lse_required(b, case)
                 row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics(),
-                               **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
+                               **layout.metrics(), **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
                 if far and prepared.pages:
                     row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
                 if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)

@@ -68,7 +68,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
         if t is not None and t.dtype != torch.int32:
             raise DSV4TypeError.of(name, "dtype torch.int32", t.dtype)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape)  # contiguous whatever q's strides (ARCHITECTURE §3)
     if q.shape[0] == 0:
         return out, lse
     sparse_mla = sparse_mla if sparse_mla is not None else import_sparse_mla()

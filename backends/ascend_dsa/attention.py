@@ -152,7 +152,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     tables = layout.build_tables(swa_indices, swa_lens, swa_block, extra_indices, extra_lens, extra_block,
                                  mode=mode, topk=topk, device=q.device)
     if q.shape[0] == 0:
-        return torch.zeros_like(q), lse
+        return q.new_zeros(q.shape), lse  # contiguous whatever q's strides (ARCHITECTURE §3)
     ops = import_ascend_ops() if ops is None else ops
     meta_kwargs, kwargs = op_arguments(family, tables, q.shape[1])
     metadata = getattr(ops, family.metadata_op)(**meta_kwargs)

@@ -133,10 +133,10 @@ def sm100_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, sinks=layout.pad_sink(sink, padded),
         kv_layout="HND", cum_seq_lens_q=table.cum_seq_lens_q, max_q_len=1,
         sparse_indices_are_storage_offsets=True if table.storage_offsets else None)
-    out = out.reshape(q.shape[0], padded, _HEAD_DIM)
-    if padded != num_heads:
-        out = out[:, :num_heads]
-    return out.to(q.dtype), _no_lse(q)
+    # the first heads of the padded buffer, contiguous (ARCHITECTURE §3: what the op's fake kernel promises
+    # torch.compile); a copy only where heads were padded
+    out = out.reshape(q.shape[0], padded, _HEAD_DIM)[:, :num_heads]
+    return out.to(q.dtype).contiguous(), _no_lse(q)
 
 
 def sm120_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -169,7 +169,7 @@ def sm120_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices
         bmm1_scale=float(softmax_scale), bmm2_scale=1.0, sinks=layout.pad_sink(sink, padded),
         kv_layout="NHD", swa_topk_lens=swa_counts,
         extra_sparse_indices=extra_rows, extra_sparse_topk_lens=extra_counts)
-    out = out.reshape(q.shape[0], padded, _HEAD_DIM)
-    if padded != num_heads:
-        out = out[:, :num_heads]
-    return out.to(q.dtype), _no_lse(q)
+    # the first heads of the padded buffer, contiguous (ARCHITECTURE §3: what the op's fake kernel promises
+    # torch.compile); a copy only where heads were padded
+    out = out.reshape(q.shape[0], padded, _HEAD_DIM)[:, :num_heads]
+    return out.to(q.dtype).contiguous(), _no_lse(q)

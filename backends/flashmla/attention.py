@@ -203,9 +203,7 @@ def flashmla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch
     # out [T, 1, Hp, 512]; lse [T, Hp, 1] (s_q = 1, so either documented order reshapes alike).
     out = out.reshape(num_tokens, padded, _HEAD_DIM)
     lse = lse.reshape(num_tokens, padded)
-    if padded != num_heads:
-        out, lse = out[:, :num_heads], lse[:, :num_heads]
-    return out, lse
+    return _first_heads(out, lse, num_heads)
 
 
 def flashmla_prefill(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -222,10 +220,13 @@ def flashmla_prefill(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     result = flash_mla.flash_mla_sparse_fwd(
         layout.pad_heads(q, padded), inputs.workspace, inputs.indices, softmax_scale, _HEAD_DIM,
         layout.pad_sink(sink, padded), inputs.lengths, use_legacy=True)
-    out, lse = result[0], result[2]                                            # (out, max_logits, lse)
-    if padded != num_heads:
-        out, lse = out[:, :num_heads], lse[:, :num_heads]
-    return out, lse
+    return _first_heads(result[0], result[2], num_heads)                      # (out, max_logits, lse)
+
+
+def _first_heads(out: torch.Tensor, lse: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_heads`` of the padded results, contiguous (ARCHITECTURE §3: what the op's fake kernel
+    promises torch.compile; a ``[:, :H]`` view of a 64-head buffer is not). A copy only where heads were padded."""
+    return out[:, :num_heads].contiguous(), lse[:, :num_heads].contiguous()
 
 
 def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,

@@ -2,7 +2,10 @@
 
 Each op is opaque to torch.compile and CUDA-graph friendly: the real kernel selects a backend
 through the registry and calls it; the fake kernel only allocates outputs of the right shape
-and dtype. Cache writes are declared in ``mutates_args`` (``swa_cache``; ``state_cache`` and
+and dtype, contiguous whatever the inputs' strides (ARCHITECTURE §3: what every backend returns;
+torch.compile builds the consumers of an output for the fake's strides, and the conformance suite
+checks a backend's outputs against them, ``conformance/layout.py``). A fake takes the op's defaults
+too: the dispatcher drops trailing arguments equal to their defaults before it calls the fake. Cache writes are declared in ``mutates_args`` (``swa_cache``; ``state_cache`` and
 ``out_cache``) so functionalization keeps them. The backend travels as a string (``"auto"`` or
 a registered name). No ``from __future__ import annotations`` here: ``custom_op`` reads the
 annotations to infer the schema.
@@ -75,7 +78,7 @@ def qnorm_rope_insert(q: Tensor, kv: Tensor, positions: Tensor, cos_sin: Tensor,
 
 @qnorm_rope_insert.register_fake
 def _(q, kv, positions, cos_sin, swa_cache, swa_slot_mapping, kv_format, eps, profile, backend):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("dsv4::compress_insert", mutates_args=("state_cache", "out_cache"))
@@ -104,7 +107,7 @@ def indexer_q(index_q: Tensor, weights: Tensor, positions: Tensor, cos_sin: Tens
 
 @indexer_q.register_fake
 def _(index_q, weights, positions, cos_sin, profile, backend):
-    return torch.empty_like(index_q), weights.new_empty(weights.shape, dtype=torch.float32)
+    return index_q.new_empty(index_q.shape), weights.new_empty(weights.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
@@ -132,8 +135,8 @@ def sparse_attention(q: Tensor, swa_cache: Tensor, swa_indices: Tensor, swa_lens
 
 @sparse_attention.register_fake
 def _(q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink, kv_format,
-      softmax_scale, profile, extra_kind, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+      softmax_scale, profile, extra_kind="unknown", backend="auto"):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4::output_projection", mutates_args=())

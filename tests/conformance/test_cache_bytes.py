@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _wrong_backends import AfterSwaWrite
+from _wrong_backends import AfterSwaWrite, StrayWrite
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.codecs import get_codec
-from dsv4.conformance.cases import default_cases, select_cases
+from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.metrics import compare_cache
 from dsv4.conformance.runner import run_suite
 from dsv4.conformance.tolerances import tolerance_for
@@ -108,3 +108,25 @@ def test_written_padding_fails_though_every_field_is_right(where):
     cache = rows[0].metrics["swa_cache"]
     assert cache["padding_bytes_differing"] == cache["bytes_differing"] > 0
     assert cache["dequantized_within_one_ulp"] is True and "padding bytes differ" in cache["reason"]
+    # the first pad byte named by page, token and field (the page tail has no token): the lowest written slot's
+    case = next(c for c in default_cases() if c.id == rows[0].case)
+    slot = int(min(s for s in prepare(case).steps[0][0][5].tolist() if s >= 0))
+    place = "page 0, page tail" if where == "tail" else f"slot {slot} (page {slot // 16}, token {slot % 16}), " \
+                                                        "field scales padding"
+    assert f"padding bytes differ, first {place}: SPEC §9.1" in cache["reason"], cache["reason"]
+
+
+@pytest.mark.parametrize("kv_format,field", [("fp8_ds_mla", "field nope"), ("bf16", "element 0")])
+def test_a_stray_write_is_named_by_its_slot_and_field(kv_format, field):
+    """One row written past the given slots: the message leads with that slot (page, token) and the field of
+    its first differing byte, and carries no "max abs err 0.0" (the reference wrote nothing there)."""
+    backend = StrayWrite()
+    (row, *_) = _run(backend, f"/{kv_format}/ and {'swa and deepseek' if kv_format == 'fp8_ds_mla' else 'hca'}")
+    slot = backend.stray[0]
+    summary = row.summary()
+    assert summary.startswith(f"qnorm_rope_insert.swa_cache: 1 slot written where the reference writes nothing "
+                              f"(a stray write), first slot {slot} (page {slot // 16}, token {slot % 16}), {field}"), \
+        summary
+    assert "max abs err" not in summary
+    first = row.metrics["swa_cache"]["first_difference"]
+    assert (first["page"], first["token"], first["slot"]) == (slot // 16, slot % 16, slot)

@@ -1,13 +1,24 @@
 """What the generated cases contain: the inputs serving produces, so a backend that mishandles them fails."""
 from __future__ import annotations
 
+import pytest
 import torch
+from _wrong_backends import ReadsPastLens, SinkPerHeadTile
 from dsv4.backends.reference import ReferenceBackend
+from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.runner import run_suite
 from dsv4.registry import Registry
 
-EXTRA_CASES = select_cases(default_cases(), ["sparse_attention"], "not swa")
+SPARSE_CASES = select_cases(default_cases(), ["sparse_attention"])
+EXTRA_CASES = select_cases(SPARSE_CASES, keyword="not swa")
+
+
+def _run(backend, cases):
+    reg = Registry()
+    reg.register_backend(ReferenceBackend())
+    reg.register_backend(backend)
+    return run_suite([backend.name], cases, registry=reg, far=False).rows
 
 
 def _holes_inside_lens(indices: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -44,5 +55,52 @@ def test_a_hole_read_as_slot_0_fails():
     reg.register_backend(ExtraHoleAsSlot0())
     cases = select_cases(EXTRA_CASES, keyword="deepseek")
     rows = run_suite(["extra-hole-as-slot0"], cases, registry=reg, far=False).rows
-    assert len(rows) == 4 and all(r.outcome == "failed" for r in rows), [(r.case, r.outcome) for r in rows]
+    assert len(rows) == len(cases) >= 4 and all(r.outcome == "failed" for r in rows), [(r.case, r.outcome) for r in rows]
     assert all(r.metrics["out"]["passed"] is False for r in rows)
+
+
+def test_index_rows_hold_slots_of_written_rows_past_lens():
+    """An engine's persistent index buffers keep stale slots past lens[t], which SPEC §7 never reads: every
+    entry past lens, SWA and extra, is a slot of a written row (reading it changes the result), and every
+    prefill case has such entries in each of its lists."""
+    for case in SPARSE_CASES:
+        args = prepare(case).steps[0][0]
+        codec = get_codec(case.cache_format)
+        for cache, indices, lens in ((args[1], args[2], args[3]), (args[4], args[5], args[6])):
+            if indices is None:
+                continue
+            stale = indices[torch.arange(indices.shape[1])[None, :] >= lens[:, None].long()]
+            assert case.variant == "decode" or stale.numel() > 0, case.id
+            rows = codec.read_rows(cache, stale.to(torch.int64))  # raises on -1 or a slot past the cache
+            assert bool((stale >= 0).all()) and bool(rows.isfinite().all()), case.id
+            assert bool((rows.abs().amax(1) > 0).all()), case.id
+
+
+@pytest.mark.parametrize("past", [1, None])
+def test_reading_past_lens_fails(past):
+    """A window one entry too long, or lens ignored (the whole row read, -1 skipped), fails every prefill
+    case: the rows past lens hold real slots."""
+    cases = select_cases(SPARSE_CASES, keyword="prefill and vllm")
+    rows = _run(ReadsPastLens(past), cases)
+    assert len(rows) == len(cases) >= 4
+    assert all(r.outcome == "failed" and r.metrics["out"]["passed"] is False for r in rows), \
+        [(r.case, r.outcome) for r in rows]
+
+
+def test_cases_with_more_heads_than_the_tiny_preset():
+    """The tiny preset has 8 heads; vendor kernels tile and pad heads (16, 64, 128). Sparse attention runs
+    16, 128 (two 64-head tiles) and a count that is no power of two; qnorm_rope_insert a count past 8."""
+    heads = {prepare(c).steps[0][0][0].shape[1] for c in SPARSE_CASES}
+    assert {8, 16, 128} <= heads and any(h & (h - 1) for h in heads), heads
+    qnorm = {prepare(c).steps[0][0][0].shape[1] for c in default_cases() if c.op == "qnorm_rope_insert"}
+    assert any(h > 8 for h in qnorm), qnorm
+    assert all(c.id.endswith(f"-h{c.heads}") for c in default_cases() if c.heads is not None)
+
+
+def test_a_sink_indexed_per_8_head_tile_fails_the_cases_with_more_heads():
+    many = [c for c in SPARSE_CASES if c.heads is not None]
+    eight = select_cases([c for c in SPARSE_CASES if c.heads is None], keyword="vllm and decode")
+    rows = {r.case: r for r in _run(SinkPerHeadTile(8), many + eight)}
+    assert len(many) >= 3 and all(rows[c.id].outcome == "failed" for c in many), [(r.case, r.outcome) for r in
+                                                                                  rows.values()]
+    assert all(rows[c.id].outcome == "passed" for c in eight)  # right for 8 heads: only the new cases see it

@@ -54,6 +54,9 @@ def test_zeroed_positions_fail_by_name_and_the_topk_check_reads_the_untouched_on
     assert row.outcome == "failed"
     assert row.metrics["inputs"]["modified"] == ["positions"] and "positions" in row.metrics["inputs"]["reason"]
     assert row.metrics["topk"]["passed"] is False  # scored on the positions as generated
+    # the modified input leads the summary (it can be why the output is wrong), with no "max abs err - at None"
+    assert row.summary() == ("indexer_topk.inputs: the backend modified its input positions (only the caches "
+                             "the op writes may change)")
 
 
 def test_a_read_only_cache_edited_on_the_far_run_fails_there():

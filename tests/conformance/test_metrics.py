@@ -51,3 +51,27 @@ def test_a_backend_returning_the_wrong_dtypes_fails(case: Case) -> None:
         if name == "lse" and not lse:
             continue
         assert metrics[name]["passed"] is False and "dtype" in metrics[name]["reason"], (name, metrics[name])
+
+
+def test_nan_positions_are_located_and_no_zero_error_is_reported() -> None:
+    """A failure made only of NaN positions says where the first one is; the row summary adds no
+    "max abs err 0.0 at [0, 0]" (nothing finite is off)."""
+    from dsv4.conformance.runner import first_failure
+
+    e = torch.zeros(3, 4, dtype=torch.float64)
+    a = e.clone()
+    a[2, 1] = float("nan")
+    m = compare_tensor(a, e, Tolerance())
+    assert m["passed"] is False and "NaN/Inf positions differ (1 NaN, 0 Inf; first at [2, 1])" in m["reason"]
+    assert first_failure("op", {"out": m}) == f"op.out: {m['reason']}"
+    a[0, 0] = 0.5
+    assert first_failure("op", {"out": compare_tensor(a, e, Tolerance())}).endswith("; max abs err 0.5 at [0, 0]")
+
+
+def test_an_unquantized_cache_failure_says_its_indices_are_page_token_element() -> None:
+    e = torch.ones(2, 8, 4, dtype=torch.float32)
+    a = e.clone()
+    a[1, 3, 2] = float("nan")
+    m = compare_cache(a, e, None, Tolerance(kind="cache"))
+    assert m["reason"].startswith("[page, token, element] indices: NaN/Inf positions differ") and "[1, 3, 2]" in \
+        m["reason"]

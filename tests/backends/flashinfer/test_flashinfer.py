@@ -33,6 +33,7 @@ def test_sm100_bf16_matches_reference(kind, extra_block, extra_width, heads):
     fake = FakeFlashInferMLA("sm100")
     out, lse = _run(FlashInferSM100Backend(flashinfer_mla=fake), case)
     assert_attention_close(out, None, case)
+    assert out.is_contiguous()                               # not a view of the padded heads (ARCHITECTURE §3)
     assert bool(torch.isnan(lse).all())                      # no LSE from FlashInfer
     call = fake.calls[0]
     assert call["query"].shape[1] == next(b for b in layout.HEAD_BUCKETS if b >= heads)
@@ -113,6 +114,7 @@ def test_sm120_fp8_ds_mla_matches_reference(kind, extra_block, extra_width, head
     fake = FakeFlashInferMLA("sm120")
     out, _ = _run(FlashInferSM120Backend(flashinfer_mla=fake), case)
     assert_attention_close(out, None, case)
+    assert out.is_contiguous()
     assert fake.calls[0]["kv_layout"] == "NHD"
 
 

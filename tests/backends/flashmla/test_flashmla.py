@@ -33,6 +33,7 @@ def test_matches_reference(route, kind, extra_block, extra_width, heads):
     fake = FakeFlashMLA()
     out, lse = _run(case, route, fake)
     assert_attention_close(out, lse, case)
+    assert out.is_contiguous() and lse.is_contiguous()  # not a view of the padded heads (ARCHITECTURE §3)
     calls = fake.decode_calls if route == "decode" else fake.prefill_calls
     assert len(calls) == 1 and calls[0]["h_q"] == (64 if heads <= 64 else 128)
 

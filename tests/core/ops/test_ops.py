@@ -93,6 +93,18 @@ def test_compile_graph_holds_the_opaque_op():
     assert "dsv4.output_projection" in str(gm.graph)
 
 
+def test_the_sparse_attention_fake_kernel_takes_the_ops_defaults():
+    """The dispatcher drops trailing arguments equal to their defaults before it calls a fake kernel, so
+    tracing ``dsv4.ops.sparse_attention(..., backend="auto")`` (both defaults) called the fake without
+    extra_kind and backend: a TypeError, under torch.compile too."""
+    prepared = prepare(Case("sparse_attention", "csa", "vllm", "fp8_ds_mla", "decode"))
+    args, kwargs = prepared.steps[0]
+    for call in (lambda *a: torch.ops.dsv4.sparse_attention(*a, **kwargs),
+                 lambda *a: ops.sparse_attention(*a, **kwargs, backend="auto")):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(call, tracing_mode="fake")(*args)
+        assert "dsv4.sparse_attention" in str(gm.graph)
+
+
 def test_custom_op_extra_kind_defaults_and_is_checked():
     """torch.ops.dsv4.sparse_attention is public too: extra_kind defaults to "unknown" (callers written
     before it existed keep working) and a value outside EXTRA_KINDS is refused, not passed on as a
