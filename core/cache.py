@@ -187,7 +187,7 @@ class PagedKVCache:
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
-        self._freed_from: dict[int, Hashable] = {}  # pending step serial -> a request freed from it
+        self._freed: dict[int, tuple[Hashable, int]] = {}  # step serial -> (first request freed, serial then)
         self._planned = 0  # serial of the latest plan_step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -204,10 +204,8 @@ class PagedKVCache:
         for group in self.groups.values():
             group.release(request_id)
         del self.seq_lens[request_id]
-        if self._epochs[request_id] in self._pending:  # that step runs only until the next plan now
-            self._freed_from.setdefault(self._epochs[request_id], request_id)
-        del self._epochs[request_id]
         self._serial += 1
+        self._freed.setdefault(self._epochs.pop(request_id), (request_id, self._serial))  # runs until a plan
 
     def free_pages(self) -> dict[str, int]:
         return {name: len(g.free_pages) for name, g in self.groups.items()}
@@ -216,26 +214,36 @@ class PagedKVCache:
 
     def check_step(self, step: Step) -> None:
         """Raise :class:`StaleStepError` unless ``step`` is still the latest plan of each of its requests,
-        or of each request not freed since, with no plan since (the step can then run, for its other
-        requests: an engine that aborts a request of an unfinished step re-runs the step for the rest).
+        or of each request not freed since, with no plan since the first free (the freed pages are then
+        still free, and the step can run for its other requests: an engine that aborts a request of an
+        unfinished step re-runs the step for the rest).
 
         O(1) when nothing was planned or freed since ``step``; O(requests) otherwise. Never consumes
         the step: every layer runs it, and running it again is allowed."""
         if step.serial == self._serial:
             return
         epochs = [(r, self._epochs.get(r)) for r in step.metadata.request_ids]
-        stale = next(((r, e) for r, e in epochs if e != step.serial), None)
-        if stale is None:
+        stale = [(r, e) for r, e in epochs if e != step.serial]
+        if not stale:
             return
-        if self._planned == step.serial and any(e == step.serial for _, e in epochs):
-            return  # only frees since (no plan, so their pages are still free) and requests left to run
-        request_id, epoch = stale
+        replanned = next(((r, e) for r, e in stale if e is not None), None)
+        if replanned is None and len(stale) < len(epochs) and self._runnable_after_frees(step.serial):
+            return  # only frees since, none before the latest plan, and requests left to run
+        request_id, epoch = replanned or stale[0]
         happened = "freed" if epoch is None else f"re-planned by step #{epoch}"
+        if epoch is None and not self._runnable_after_frees(step.serial):
+            happened += f", and step #{self._planned} planned since"
         raise StaleStepError.of(
             "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
             f"a stale step: request {request_id!r} was {happened}",
             hint="its slots may belong to another request now; plan a new step (a request of it that some "
                  "layer has not run must be freed and prefilled again)")
+
+    def _runnable_after_frees(self, serial: int) -> bool:
+        """Step ``serial``'s freed requests (if any) were all freed after the latest plan: their pages are
+        still free, so the step may still run for its other requests."""
+        record = self._freed.get(serial)
+        return record is None or record[1] > self._planned
 
     def mark_unwritten(self, step: Step, layer_id: int) -> None:
         """A layer's forward of ``step`` raised (its pages may be partly written): every layer of this
@@ -244,9 +252,6 @@ class PagedKVCache:
             return  # called on a forward's error path: never raise over the forward's own error
         if any(self._epochs.get(r) == step.serial for r in step.metadata.request_ids):
             self._pending[step.serial] = set(self.layers)
-            freed = [r for r in step.metadata.request_ids if r not in self._epochs]
-            if freed:
-                self._freed_from.setdefault(step.serial, freed[0])
 
     def mark_written(self, step: Step, layer_id: int | None = None) -> None:
         """A layer's forward of ``step`` succeeded (O(1)); ``layer_id=None``: every layer. A caller that
@@ -268,7 +273,6 @@ class PagedKVCache:
             layers.discard(layer_id)
         if not layers:
             del self._pending[step.serial]
-            self._freed_from.pop(step.serial, None)
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -311,12 +315,12 @@ class PagedKVCache:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
         for r in ids:
             pending = self._pending.get(self._epochs.get(r))
-            freed = self._freed_from.get(self._epochs.get(r))
-            if pending and freed is not None and self._planned != self._epochs[r]:
+            if pending and not self._runnable_after_frees(self._epochs[r]):
                 raise DSV4ValueError.of(
                     f"requests[{r!r}]", "a request whose previous step every layer wrote",
                     f"layers {sorted(pending)} still to run step #{self._epochs[r]}, which can no longer run "
-                    f"(request {freed!r} of it was freed and step #{self._planned} planned since)",
+                    f"(request {self._freed[self._epochs[r]][0]!r} of it was freed and step #{self._planned} "
+                    "planned since)",
                     hint="free() this request and prefill it again (its rows of that step are missing in those "
                          "layers)")
             if pending:
@@ -360,7 +364,9 @@ class PagedKVCache:
         if len(self._pending) > 64:  # steps whose requests were all freed or re-planned since
             live = set(self._epochs.values())
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
-            self._freed_from = {serial: r for serial, r in self._freed_from.items() if serial in self._pending}
+        if len(self._freed) > 64:  # steps none of whose requests is left
+            live = set(self._epochs.values())
+            self._freed = {serial: record for serial, record in self._freed.items() if serial in live}
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         self._planned = self._serial
         return Step(metadata, self, self._serial)

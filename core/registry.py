@@ -205,6 +205,11 @@ class Registry:
         statuses = []
         for ep, first in clashes:
             status = _status(ep, name=f"{_distribution(ep)[0]}:{ep.name}")
+            if allow and ep.name not in allow:  # neither side is loaded: blocked, as any unlisted entry point
+                status.state, status.error = "blocked", "not listed in DSV4_PLUGINS"
+                self._statuses[status.name] = status
+                statuses.append(status)
+                continue
             owner = _status(first)
             self._fail(status, PluginRefusedError(
                 f"entry point name {ep.name} is also {owner.label()}'s, which is loaded instead; "

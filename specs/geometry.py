@@ -175,8 +175,9 @@ def cache_geometry(cfg: ModelConfig, profile: str = "deepseek", geometry: str = 
     under another profile would change that profile's cache formats (SPEC §6.6: a profile fixes every
     rounding point; §12: no silent dtype override), so it is refused unless the formats it would change
     are passed explicitly; an explicit format is the user's choice and wins (the Ascend pads are then
-    computed for it). ``block_size``: ascend user block (default 128); vllm fixes its sizes and accepts
-    only 64.
+    computed for it). SPEC §6.6 has no A5 profile: under ``ascend-a5`` the ``ascend`` profile (A2/A3's)
+    keeps quantizing indexer q to int8 while the keys are fp8 (an owner question; vllm-ascend A5 quantizes
+    q to fp8). ``block_size``: ascend user block (default 128); vllm fixes its sizes and accepts only 64.
     """
     prof = get_profile(profile)
     default_kv, default_key = prof.kv_format, prof.indexer_key_format

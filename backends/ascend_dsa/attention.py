@@ -160,4 +160,4 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
         q, ori_kv=kv_view(swa_cache, family, swa_block),
         cmp_kv=None if extra_cache is None else kv_view(extra_cache, family, extra_block),
         sinks=sink, metadata=metadata, softmax_scale=softmax_scale, **kwargs)
-    return out, lse
+    return out.contiguous(), lse  # the operator's layout is not documented; ARCHITECTURE §3 wants contiguous

@@ -191,6 +191,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     check_dtype("key_block_table", key_block_table, I32)
     if int(topk) <= 0:
         raise DSV4ValueError.of("topk", "a positive width", topk)
+    if not isinstance(ratio, int) or ratio <= 0:  # the reference's rule, before check_key_pages divides by it
+        raise DSV4ValueError.of("ratio", "a positive int", ratio)
     if value_checks_enabled(q):
         check_positions_nonnegative(positions)
         check_request_ids(token_request, key_block_table.shape[0])

@@ -286,6 +286,26 @@ def test_a_step_whose_other_request_was_freed_can_still_run_for_the_rest():
     cache.plan_step([StepRequest("d", 6)])
 
 
+def test_a_request_freed_after_the_latest_plan_leaves_its_step_runnable():
+    """Only a plan after the free can hand the freed pages out: a step planned before another step, whose
+    request is freed after that other plan, still runs for the rest; a plan after the free makes it stale."""
+    cache = PagedKVCache(CFG, [0], num_blocks=16)
+    s1 = cache.plan_step([StepRequest("a", 5), StepRequest("b", 5)])
+    cache.mark_written(cache.plan_step([StepRequest("c", 5)]))
+    cache.free("b")
+    cache.check_step(s1)  # b's pages are still free
+    cache.mark_written(s1)
+    s3 = cache.plan_step([StepRequest("d", 5), StepRequest("e", 5)])
+    cache.free("d")
+    cache.mark_written(cache.plan_step([StepRequest("f", 5)]))
+    with pytest.raises(StaleStepError, match=r"request 'd' was freed, and step #\d+ planned since"):
+        cache.check_step(s3)
+    alone = cache.plan_step([StepRequest("g", 5)])
+    cache.free("g")
+    with pytest.raises(StaleStepError, match=r"request 'g' was freed; "):  # no request left: nothing to run
+        cache.check_step(alone)
+
+
 def test_mark_written_refuses_what_it_cannot_mark():
     """A step of another cache, a layer the cache lacks or a non-Step would otherwise be a silent no-op (the
     engine then meets a "still to run" refusal later) or a bare AttributeError."""

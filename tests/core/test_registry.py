@@ -259,6 +259,19 @@ def test_an_entry_point_named_like_a_built_in_one_is_refused(install_plugins):
     assert refused.state == "failed" and "entry point name triton is also triton (dsv4-attention" in refused.error
 
 
+def test_a_clashing_entry_point_not_listed_in_dsv4_plugins_is_blocked_not_refused(install_plugins, monkeypatch):
+    """DSV4_PLUGINS=reference blocks both ``triton`` entry points: the foreign one is not reported failed with
+    "the built-in is loaded instead" (it is not), and strict mode does not raise over it."""
+    install_plugins("dsv4_shadow_plugin", entry={"dsv4_shadow_plugin": "triton"})
+    monkeypatch.setenv("DSV4_PLUGINS", "reference")
+    statuses = {s.name: s for s in Registry().load_entry_points(strict=True)}
+    assert statuses["dsv4-shadow-plugin:triton"].state == statuses["triton"].state == "blocked"
+    assert statuses["dsv4-shadow-plugin:triton"].error == "not listed in DSV4_PLUGINS"
+    monkeypatch.setenv("DSV4_PLUGINS", "reference,triton")
+    with pytest.raises(PluginLoadError, match="entry point name triton is also triton"):
+        Registry().load_entry_points(strict=True)
+
+
 def test_each_plugin_load_is_timed_and_a_slow_one_is_warned_about(install_plugins, monkeypatch):
     """A plugin whose import sleeps 0.3 s: its load time is recorded (status, JSON), and past
     SLOW_PLUGIN_SECONDS one warning names it and the way out."""

@@ -112,6 +112,21 @@ def test_the_model_sees_a_wrong_virtual_length():
         assert_close(out, case)
 
 
+def test_a_head_major_operator_output_is_returned_contiguous():
+    """ARCHITECTURE §3: outputs are contiguous (the op's fake kernel promises it to torch.compile); the
+    operator's output layout is not documented, so a head-major one is copied."""
+    case = make_case(kind="csa", lengths=(600,), queries=(3,), empty_rows=0, holes=False)
+
+    class HeadMajor(FakeAscendOps):
+        def npu_sparse_attn_sharedkv(self, q, **kw):
+            out, lse = super().npu_sparse_attn_sharedkv(q, **kw)
+            return out.transpose(0, 1).contiguous().transpose(0, 1), lse
+
+    out, _, _ = _run(case, HeadMajor())
+    assert out.is_contiguous()
+    assert_close(out, case)
+
+
 def _swa_only(rows: list[list[int]], block: int = 16):
     width = max(len(r) for r in rows)
     table = torch.full((len(rows), width), -1, dtype=torch.int32)

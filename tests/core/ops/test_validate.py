@@ -227,3 +227,13 @@ def test_a_key_table_too_narrow_for_the_shortcut_is_rejected(backend, width):
     wide = ops.indexer_topk(q, w, positions, token_request, cache, torch.tensor([[0, 1]], dtype=torch.int32),
                             topk=32, key_format="indexer_mxfp4", backend=backend)
     assert sorted(wide[0, :25].tolist()) == list(range(25)) and wide[0, 25:].tolist() == [-1] * 7  # order: free
+
+
+@pytest.mark.parametrize("ratio", [0, -1, 4.0])
+def test_indexer_topk_names_a_ratio_that_is_not_a_positive_int(ratio):
+    """The boundary checks ``ratio`` before the key-page check divides by it (a ZeroDivisionError before)."""
+    codec = get_codec("indexer_mxfp4")
+    q, w = torch.randn(1, 64, 128).to(torch.bfloat16), torch.randn(1, 64)
+    with pytest.raises(DSV4ValueError, match=f"^ratio: expected a positive int, got {ratio}"):
+        ops.indexer_topk(q, w, torch.tensor([99]), torch.tensor([0], dtype=torch.int32), codec.allocate(2, 16),
+                         torch.tensor([[0, 1]], dtype=torch.int32), topk=32, key_format="indexer_mxfp4", ratio=ratio)
