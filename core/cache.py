@@ -29,6 +29,7 @@ from dsv4.metadata import (
     RatioMetadata,
     StepMetadata,
     dense_compressed_indices,
+    mark_planned,
     slots_from_block_table,
 )
 from dsv4.paging import SPEC_GROUPS, BlockPool, pages_per_group
@@ -367,6 +368,7 @@ class PagedKVCache:
         if len(self._freed) > 64:  # steps none of whose requests is left
             live = set(self._epochs.values())
             self._freed = {serial: record for serial, record in self._freed.items() if serial in live}
+        mark_planned(metadata, self._serial)  # read-only from here (dsv4.metadata.copy_metadata_ refills)
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         self._planned = self._serial
         return Step(metadata, self, self._serial)

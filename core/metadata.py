@@ -26,6 +26,8 @@ __all__ = [
     "closing_windows_in_call",
     "copy_metadata_",
     "dense_compressed_indices",
+    "mark_planned",
+    "planned_serial",
     "round_up",
     "slots_from_block_table",
     "topk_local_to_global",
@@ -94,6 +96,9 @@ class StepMetadata:
     ratios: per compress ratio present in the cache. query_lens, max_seq_len: host-side copies
     (no device sync needed to size tables). context_lens: host-side tokens of each request before
     this step (``seq_len - query_len``), or None where the builder did not give them.
+
+    The tensors ``plan_step`` makes are read-only: refill them (a captured graph's inputs) only with
+    :func:`copy_metadata_`; kernels may share per-step plans keyed on them (:func:`planned_serial`).
     """
 
     request_ids: tuple
@@ -216,6 +221,39 @@ def dense_compressed_indices(
     return indices, visible.to(torch.int32)
 
 
+# A step-metadata tensor made by ``plan_step`` carries the plan's serial in this attribute: plan_step's
+# tensors are read-only by contract (only copy_metadata_ refills them, and it drops the mark), so a kernel
+# plan keyed on them (FlashMLA's tile schedule) may be shared by every layer of the step even where a
+# version counter cannot show an in-place write (inference tensors, ``torch.inference_mode``).
+_PLANNED = "_dsv4_plan"
+
+
+def _tensors(md: object):
+    """Every tensor of step metadata ``md`` (nested dataclasses and the ratios dict included)."""
+    for f in dataclasses.fields(md):
+        value = getattr(md, f.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif dataclasses.is_dataclass(value):
+            yield from _tensors(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                if dataclasses.is_dataclass(item):
+                    yield from _tensors(item)
+
+
+def mark_planned(md: StepMetadata, serial: int) -> None:
+    """Mark every tensor of ``md`` as made by plan ``serial`` (``PagedKVCache.plan_step``)."""
+    for t in _tensors(md):
+        setattr(t, _PLANNED, serial)
+
+
+def planned_serial(t: torch.Tensor) -> int | None:
+    """The plan that made ``t`` and still owns its values, or None (not plan_step's, a view of it, or
+    refilled by :func:`copy_metadata_`)."""
+    return getattr(t, _PLANNED, None)
+
+
 def copy_metadata_(dst: StepMetadata, src: StepMetadata) -> None:
     """Every tensor of step metadata ``src`` into ``dst``'s, in place: how an engine feeds a CUDA graph,
     captured with ``dst``'s step, the next step (then ``cache.mark_written(step)`` after the replay).
@@ -227,6 +265,8 @@ def copy_metadata_(dst: StepMetadata, src: StepMetadata) -> None:
                 raise DSV4ValueError.of(f"src.{f.name}", f"shape {tuple(a.shape)} (the captured step's)",
                                         f"shape {tuple(b.shape)}")
             a.copy_(b)
+            if hasattr(a, _PLANNED):
+                delattr(a, _PLANNED)  # its values are no longer the plan's
         elif dataclasses.is_dataclass(a):
             copy_metadata_(a, b)
         elif isinstance(a, dict):  # ratios; host-side memos (windows_in_step) are not graph inputs

@@ -176,6 +176,47 @@ def graph_new_step(batch: int, context: int, backends: str, layers: int = 2, pre
     return rows
 
 
+def inference_mode_step(batch: int, context: int, layers: int = 4, preset: str = "v4-flash",
+                        device: str = "cuda") -> list[dict]:
+    """Engines run eagerly under ``torch.inference_mode`` (vLLM; its piecewise CUDA graphs leave attention
+    eager): ``layers`` layers of each kind run one decode step planned there, auto-selected (FlashMLA
+    attention on sm_90). FlashMLA tile schedules made for the step (one per kind when plan_step's read-only
+    length tensors are shared, one a layer otherwise) and the eager step time; the output must equal the
+    same step under ``no_grad``."""
+    from dsv4.registry import get_registry
+
+    cfg, rows = ModelConfig.preset(preset), []
+    for kind in (LayerKind.CSA, LayerKind.HCA):
+        layer_id = cfg.layer_ids(kind)[0]
+        cache = _filled_cache(cfg, [layer_id], dict.fromkeys(range(batch), context), context, device)
+        x = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+        attns = make_layers(cfg, layer_id, "auto", layers, context, device)
+        schedules = get_registry().get("flashmla").scheduler_cache
+        with torch.inference_mode():
+            step = cache.plan_step([StepRequest(i, 1) for i in range(batch)])
+            def run(attns=attns, step=step, x=x):
+                return [attn(x, step) for attn in attns][-1]
+
+            run()
+            before = schedules.created
+            out = run()
+            made = schedules.created - before
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                run()
+                sync()
+                times.append(time.perf_counter() - start)
+        schedules.reset()  # the reference run makes its own schedules
+        with torch.no_grad():
+            reference = run()
+        rows.append({"layer": f"{kind.name} {layer_id}", "layers": layers, "schedules_a_step": made,
+                     "eager_ms": statistics.median(times) * 1e3, "equal_to_no_grad": bool(torch.equal(out, reference))})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -184,14 +225,16 @@ def main() -> None:
     parser.add_argument("--preset", default="v4-flash")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    rows, new_step = [], []
+    rows, new_step, inference = [], [], []
     for backends in ("auto", "triton"):
         rows += bench(args.batch, args.context, backends, args.preset, args.device)
         if args.device == "cuda":
             new_step += graph_new_step(args.batch, args.context, backends, preset=args.preset)
+    if args.device == "cuda":
+        inference = inference_mode_step(args.batch, args.context, preset=args.preset)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": rows, "graph_new_step": new_step}, f, indent=1)
+            json.dump({"steps": rows, "graph_new_step": new_step, "inference_mode_step": inference}, f, indent=1)
     print("same: equal to the single-stream eager output; graph=eager: the replayed output equal to it too")
     print(f"{'layer':<8} {'backends':<8} {'streams':<8} {'eager ms':>9} {'graph ms':>9} {'same':<5} {'graph=eager':<11} "
           "attention  note")
@@ -204,6 +247,11 @@ def main() -> None:
         for r in new_step:
             print(f"{r['layer']:<8} {r['backends']:<8} layers {r['layers']}  equal {r['graph_equal_to_eager']!s:<5} "
                   f"max abs diff {r['max_abs_diff']:.3g}")
+    if inference:
+        print("\nan eager step of 4 layers a kind under torch.inference_mode (auto backends):")
+        for r in inference:
+            print(f"{r['layer']:<8} layers {r['layers']}  FlashMLA schedules a step {r['schedules_a_step']}  "
+                  f"eager {r['eager_ms']:.3f} ms  equal to no_grad {r['equal_to_no_grad']}")
 
 if __name__ == "__main__":
     main()

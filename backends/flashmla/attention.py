@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from dsv4.backend import OptionalImport
 from dsv4.backends.flashmla import layout
+from dsv4.metadata import planned_serial
 from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 
 __all__ = [
@@ -67,9 +68,11 @@ class SchedulerMetadataCache:
     entries (a replay can change length values without a version bump). Call :meth:`reset` before capturing a graph whose length tensors an earlier capture used
     without an eager call in between (an engine warms up before each capture, which does it).
 
-    Inference tensors (``torch.inference_mode``) carry no version counter, so an in-place refill of a
-    length buffer could not be told from the same lengths: eager calls on them get a schedule each (as
-    before this cache shared any); inside a capture they share as above.
+    Inference tensors (``torch.inference_mode``, how engines run eagerly) carry no version counter, so
+    an in-place refill of a length buffer could not be told from the same lengths. Those that
+    ``plan_step`` made are read-only by contract (``dsv4.metadata.planned_serial``; ``copy_metadata_``,
+    the one refill, drops the mark), so they share as above; other inference tensors get a schedule a
+    call eagerly, and share inside a capture.
     """
 
     # layer kind -> (shape key, length tensors, their versions, schedule); one dict per mode
@@ -87,8 +90,9 @@ class SchedulerMetadataCache:
         if other:  # a mode switch drops the other mode's schedules (a replay may change lengths unversioned)
             other.clear()
         if any(t.is_inference() for t in lengths):  # no version counter: an in-place refill would not show
-            versions = None
-            if not capturing:  # eager: a schedule a call (a capture replays consistent values, so it shares)
+            plans = tuple(planned_serial(t) for t in lengths)
+            versions = None if None in plans else ("plan", *plans)  # plan_step's read-only tensors share
+            if versions is None and not capturing:  # a schedule a call (a capture replays consistent values)
                 meta, _ = flash_mla.get_mla_metadata()
                 self.created += 1
                 return meta

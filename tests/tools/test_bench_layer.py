@@ -29,3 +29,11 @@ def test_two_decode_steps_fit_one_graph_and_copy_whole(layer_id, context):
     short = tool.two_decode_steps(cfg, layer_id, batch=5, context=context, device="cpu")[0]
     with pytest.raises(ValueError, match="shape"):
         copy_metadata_(a, short.metadata)
+
+
+def test_the_inference_mode_step_runs_and_matches_no_grad_on_cpu():
+    """The H200 row's code path on the CPU (reference attention, so no FlashMLA schedule is made): a step
+    planned under torch.inference_mode runs every layer and equals the same step under no_grad."""
+    rows = tool.inference_mode_step(batch=3, context=300, layers=2, preset="tiny", device="cpu")
+    assert [r["layer"] for r in rows] == ["CSA 1", "HCA 2"]
+    assert all(r["equal_to_no_grad"] and r["schedules_a_step"] == 0 for r in rows)

@@ -262,3 +262,52 @@ def test_layers_of_a_step_share_one_schedule_per_kind():
             for attn in layers:
                 attn(x, step)
         assert fake.metadata_created == created
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_layers_share_schedules_under_inference_mode_until_copy_metadata_refills(mode):
+    """Engines run eagerly under torch.inference_mode (vLLM, piecewise graphs leave attention eager): the
+    step's inference tensors have no version counter, but plan_step's are read-only by contract, so four
+    layers of two kinds make two schedules, not four. copy_metadata_ (the one refill) drops the mark, and a
+    layer then gets a schedule a call, since the same tensor objects now hold other lengths."""
+    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+    from dsv4.metadata import copy_metadata_, planned_serial
+
+    class OnCpu(FlashMLABackend):
+        name = "flashmla-cpu-model"
+
+        def probe(self):
+            return []
+
+        def not_supported_reasons(self, request):
+            return []
+
+    fake = FakeFlashMLA()
+    cfg = ModelConfig.preset("tiny")
+    cache = PagedKVCache(cfg, [1, 2], num_blocks=256, profile="vllm")
+    backend, layers = OnCpu(flash_mla=fake), []
+    for layer_id in (1, 2, 1, 2):
+        attn = Attention(cfg, layer_id, profile="vllm", backends={"sparse_attention": backend})
+        attn.reset_parameters(torch.Generator().manual_seed(len(layers)))
+        layers.append(attn)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        steps = [cache.plan_step([StepRequest(r, 40) for r in "ab"])]
+        x = torch.randn(80, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+        for attn in layers:
+            attn(x, steps[0])
+        assert fake.metadata_created == 2
+        assert planned_serial(steps[0].metadata.swa_lens) == steps[0].serial
+        steps.append(cache.plan_step([StepRequest(r, 1) for r in "ab"]))
+        for attn in layers:
+            attn(x[:2], steps[1])
+        assert fake.metadata_created == 4
+        steps.append(cache.plan_step([StepRequest(r, 1) for r in "ab"]))
+        copy_metadata_(steps[1].metadata, steps[2].metadata)  # a captured step's buffers refilled
+        assert planned_serial(steps[1].metadata.swa_lens) is None
+        # the captured step's buffers, now holding step 2's lengths, as a replayed layer would pass them
+        lengths, before = (steps[1].metadata.swa_lens,), fake.metadata_created
+        for _ in range(2):
+            backend.scheduler_cache.get(fake, "swa", ("shape",), lengths)
+        # refilled inference tensors: a schedule a call; ordinary tensors: shared at their new version
+        assert fake.metadata_created - before == (2 if mode == "inference_mode" else 1)
