@@ -197,10 +197,10 @@ def inference_mode_step(batch: int, context: int, layers: int = 4, preset: str =
             def run(attns=attns, step=step, x=x):
                 return [attn(x, step) for attn in attns][-1]
 
-            run()
             before = schedules.created
-            out = run()
+            out = run()  # the step's first run (it also warms the kernels up)
             made = schedules.created - before
+            run()
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             sync()
             times = []
