@@ -232,29 +232,38 @@ def test_registers_through_the_hook():
     assert registered[0].capabilities.kv_formats == frozenset({"fp8_ds_mla"})
 
 
-def test_layers_of_a_step_share_one_schedule_per_kind():
-    """The layer hands attention the step's own length tensors (RatioMetadata.topk_lens for CSA), so two
-    CSA and two HCA layers of one step make two FlashMLA schedules, not four; the next step makes new ones."""
-    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+class _OnCpu(FlashMLABackend):  # the CPU model of the kernels stands in for a GPU
+    name = "flashmla-cpu-model"
 
-    class OnCpu(FlashMLABackend):  # the CPU model of the kernels stands in for a GPU
-        name = "flashmla-cpu-model"
+    def probe(self):
+        return []
 
-        def probe(self):
-            return []
+    def not_supported_reasons(self, request):
+        return []
 
-        def not_supported_reasons(self, request):
-            return []
 
-    fake = FakeFlashMLA()
-    backend = OnCpu(flash_mla=fake)
+def _cpu_model_layers(fake: FakeFlashMLA):
+    """tiny's CSA layer 1 and HCA layer 2, twice each, attention on one FlashMLA backend whose kernels are
+    the CPU model ``fake``: (cfg, cache, backend, layers)."""
+    from dsv4 import Attention, ModelConfig, PagedKVCache
+
     cfg = ModelConfig.preset("tiny")  # 1 CSA, 2 HCA
     cache = PagedKVCache(cfg, [1, 2], num_blocks=256, profile="vllm")
-    layers = []
+    backend, layers = _OnCpu(flash_mla=fake), []
     for layer_id in (1, 2, 1, 2):
         attn = Attention(cfg, layer_id, profile="vllm", backends={"sparse_attention": backend})
         attn.reset_parameters(torch.Generator().manual_seed(len(layers)))
         layers.append(attn)
+    return cfg, cache, backend, layers
+
+
+def test_layers_of_a_step_share_one_schedule_per_kind():
+    """The layer hands attention the step's own length tensors (RatioMetadata.topk_lens for CSA), so two
+    CSA and two HCA layers of one step make two FlashMLA schedules, not four; the next step makes new ones."""
+    from dsv4 import StepRequest
+
+    fake = FakeFlashMLA()
+    cfg, cache, _, layers = _cpu_model_layers(fake)
     for n, created in ((40, 2), (1, 4)):  # a prefill step, then a decode step
         step = cache.plan_step([StepRequest("a", n), StepRequest("b", n)])
         x = torch.randn(2 * n, cfg.hidden_size, generator=torch.Generator().manual_seed(n)).bfloat16()
@@ -270,26 +279,11 @@ def test_layers_share_schedules_under_inference_mode_until_copy_metadata_refills
     step's inference tensors have no version counter, but plan_step's are read-only by contract, so four
     layers of two kinds make two schedules, not four. copy_metadata_ (the one refill) drops the mark, and a
     layer then gets a schedule a call, since the same tensor objects now hold other lengths."""
-    from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
+    from dsv4 import StepRequest
     from dsv4.metadata import copy_metadata_, planned_serial
 
-    class OnCpu(FlashMLABackend):
-        name = "flashmla-cpu-model"
-
-        def probe(self):
-            return []
-
-        def not_supported_reasons(self, request):
-            return []
-
     fake = FakeFlashMLA()
-    cfg = ModelConfig.preset("tiny")
-    cache = PagedKVCache(cfg, [1, 2], num_blocks=256, profile="vllm")
-    backend, layers = OnCpu(flash_mla=fake), []
-    for layer_id in (1, 2, 1, 2):
-        attn = Attention(cfg, layer_id, profile="vllm", backends={"sparse_attention": backend})
-        attn.reset_parameters(torch.Generator().manual_seed(len(layers)))
-        layers.append(attn)
+    cfg, cache, backend, layers = _cpu_model_layers(fake)
     context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
     with context():
         steps = [cache.plan_step([StepRequest(r, 40) for r in "ab"])]
