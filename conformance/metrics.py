@@ -37,6 +37,11 @@ def cosine_difference(a: torch.Tensor, e: torch.Tensor) -> float:
     return 0.0 if denominator == 0.0 else 1.0 - 2.0 * float((a * e).sum()) / denominator
 
 
+def _special_mismatch(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """bool mask: where ``a`` and ``e`` disagree on NaN, +Inf or -Inf."""
+    return (a.isnan() != e.isnan()) | ((a == math.inf) != (e == math.inf)) | ((a == -math.inf) != (e == -math.inf))
+
+
 def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
     """Element-wise comparison of ``actual`` against ``expected`` under ``tol`` (see tolerances.py)."""
     if tuple(actual.shape) != tuple(expected.shape):
@@ -44,6 +49,7 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     nan_mismatch = int((a.isnan() != e.isnan()).sum())
     inf_mismatch = int(((a == math.inf) != (e == math.inf)).sum() + ((a == -math.inf) != (e == -math.inf)).sum())
+    special = _special_mismatch(a, e)
     finite = a.isfinite() & e.isfinite()
     same_special = (~a.isfinite()) & (~e.isfinite()) & ((a == e) | (a.isnan() & e.isnan()))
     diff = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
@@ -72,7 +78,6 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     metrics["cos_diff"] = cosine_difference(torch.where(finite, a, zero), torch.where(finite, e, zero))
     reasons = []
     if nan_mismatch or inf_mismatch:
-        special = (a.isnan() != e.isnan()) | ((a == math.inf) != (e == math.inf)) | ((a == -math.inf) != (e == -math.inf))
         where = _where(int(special.flatten().nonzero()[0]), a.shape)
         reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf; first at {where})")
     if tol.max_fail_of_block_amax is not None:
@@ -272,7 +277,7 @@ def _written_slots(pages: _PageMap, differs: torch.Tensor, a: torch.Tensor, e: t
         if rows.any():
             first = pages.first_differing(differs, int(rows.nonzero()[0]))
             reasons.append(f"{_count(int(rows.sum()), 'slot')} {what}, first {_place_text(first)}")
-    special = (a.isnan() != e.isnan()) | ((a == math.inf) != (e == math.inf)) | ((a == -math.inf) != (e == -math.inf))
+    special = _special_mismatch(a, e)
     special[a_empty != e_empty] = False
     if special.any():
         slot, element = _where(int(special.flatten().nonzero()[0]), a.shape)

@@ -142,7 +142,7 @@ class Compressor(nn.Module):
         key = self._weights_key()
         if getattr(self, "_twin_key", None) != key:
             wkv, wgate = self.wkv.weight, self.wgate.weight
-            if wkv.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing_on(wkv.device):
                 return None
             with torch.no_grad():
                 twin = torch.cat([wkv, wgate], 0).to(torch.bfloat16)
@@ -173,7 +173,7 @@ class Compressor(nn.Module):
             wkv, wgate = self.wkv.weight, self.wgate.weight
             with torch.no_grad():
                 fused = torch.cat([wkv, wgate], 0).to(dtype)
-            if wkv.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing_on(wkv.device):
                 return fused
             with torch.no_grad():
                 self._fused = _into(self.__dict__.get("_fused"), fused)
@@ -282,7 +282,7 @@ class Attention(nn.Module):
     def _grow_rope(self, num_positions: int) -> None:
         if num_positions <= self.cos_sin.shape[0]:
             return
-        if self.cos_sin.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing_on(self.cos_sin.device):
             raise DSV4ValueError.of(
                 "step", f"positions below {self.cos_sin.shape[0]} (the RoPE table's rows) while a CUDA graph is "
                 "captured", f"a sequence of {num_positions} positions",

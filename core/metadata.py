@@ -228,23 +228,24 @@ def dense_compressed_indices(
 _PLANNED = "_dsv4_plan"
 
 
-def _tensors(md: object):
-    """Every tensor of step metadata ``md`` (nested dataclasses and the ratios dict included)."""
+def _tensors(md: object, prefix: str = ""):
+    """``(name, tensor)`` of every tensor of step metadata ``md`` (nested dataclasses and the ratios dict
+    included), in field order."""
     for f in dataclasses.fields(md):
         value = getattr(md, f.name)
         if isinstance(value, torch.Tensor):
-            yield value
+            yield prefix + f.name, value
         elif dataclasses.is_dataclass(value):
-            yield from _tensors(value)
-        elif isinstance(value, dict):
-            for item in value.values():
+            yield from _tensors(value, f"{prefix}{f.name}.")
+        elif isinstance(value, dict):  # ratios; host-side memos (windows_in_step) are not tensors
+            for key, item in value.items():
                 if dataclasses.is_dataclass(item):
-                    yield from _tensors(item)
+                    yield from _tensors(item, f"{prefix}{f.name}[{key}].")
 
 
 def mark_planned(md: StepMetadata, serial: int) -> None:
     """Mark every tensor of ``md`` as made by plan ``serial`` (``PagedKVCache.plan_step``)."""
-    for t in _tensors(md):
+    for _, t in _tensors(md):
         setattr(t, _PLANNED, serial)
 
 
@@ -257,19 +258,14 @@ def planned_serial(t: torch.Tensor) -> int | None:
 def copy_metadata_(dst: StepMetadata, src: StepMetadata) -> None:
     """Every tensor of step metadata ``src`` into ``dst``'s, in place: how an engine feeds a CUDA graph,
     captured with ``dst``'s step, the next step (then ``cache.mark_written(step)`` after the replay).
-    Shapes must agree (same batch rows and widths); host-side values are not graph inputs and stay."""
-    for f in dataclasses.fields(dst):
-        a, b = getattr(dst, f.name), getattr(src, f.name)
-        if isinstance(a, torch.Tensor):
-            if a.shape != b.shape:
-                raise DSV4ValueError.of(f"src.{f.name}", f"shape {tuple(a.shape)} (the captured step's)",
-                                        f"shape {tuple(b.shape)}")
-            a.copy_(b)
-            if hasattr(a, _PLANNED):
-                delattr(a, _PLANNED)  # its values are no longer the plan's
-        elif dataclasses.is_dataclass(a):
-            copy_metadata_(a, b)
-        elif isinstance(a, dict):  # ratios; host-side memos (windows_in_step) are not graph inputs
-            for k in a:
-                if dataclasses.is_dataclass(a[k]):
-                    copy_metadata_(a[k], b[k])
+    Shapes must agree (same batch rows and widths), all checked before anything is copied; host-side
+    values are not graph inputs and stay."""
+    pairs = list(zip(_tensors(dst), _tensors(src), strict=True))
+    for (name, a), (_, b) in pairs:
+        if a.shape != b.shape:
+            raise DSV4ValueError.of(f"src.{name}", f"shape {tuple(a.shape)} (the captured step's)",
+                                    f"shape {tuple(b.shape)}")
+    for (_, a), (_, b) in pairs:
+        a.copy_(b)
+        if hasattr(a, _PLANNED):
+            delattr(a, _PLANNED)  # its values are no longer the plan's

@@ -200,20 +200,12 @@ def inference_mode_step(batch: int, context: int, layers: int = 4, preset: str =
             before = schedules.created
             out = run()  # the step's first run (it also warms the kernels up)
             made = schedules.created - before
-            run()
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-            sync()
-            times = []
-            for _ in range(20):
-                start = time.perf_counter()
-                run()
-                sync()
-                times.append(time.perf_counter() - start)
+            eager_ms = _time(run, repeats=20, warmup=1)
         schedules.reset()  # the reference run makes its own schedules
         with torch.no_grad():
             reference = run()
         rows.append({"layer": f"{kind.name} {layer_id}", "layers": layers, "schedules_a_step": made,
-                     "eager_ms": statistics.median(times) * 1e3, "equal_to_no_grad": bool(torch.equal(out, reference))})
+                     "eager_ms": eager_ms, "equal_to_no_grad": bool(torch.equal(out, reference))})
     return rows
 
 

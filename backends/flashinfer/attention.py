@@ -91,6 +91,12 @@ def _quantize_per_tensor(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
 
 
+def _first_heads(out: torch.Tensor, q: torch.Tensor, padded: int, num_heads: int) -> torch.Tensor:
+    """The first ``num_heads`` of the kernel's ``padded``-head output in ``q.dtype``, contiguous (ARCHITECTURE
+    §3: what the op's fake kernel promises torch.compile); a copy only where heads were padded."""
+    return out.reshape(q.shape[0], padded, _HEAD_DIM)[:, :num_heads].to(q.dtype).contiguous()
+
+
 def sm100_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
                            swa_lens: torch.Tensor, extra_cache: torch.Tensor | None,
                            extra_indices: torch.Tensor | None, extra_lens: torch.Tensor | None,
@@ -133,10 +139,7 @@ def sm100_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, sinks=layout.pad_sink(sink, padded),
         kv_layout="HND", cum_seq_lens_q=table.cum_seq_lens_q, max_q_len=1,
         sparse_indices_are_storage_offsets=True if table.storage_offsets else None)
-    # the first heads of the padded buffer, contiguous (ARCHITECTURE §3: what the op's fake kernel promises
-    # torch.compile); a copy only where heads were padded
-    out = out.reshape(q.shape[0], padded, _HEAD_DIM)[:, :num_heads]
-    return out.to(q.dtype).contiguous(), _no_lse(q)
+    return _first_heads(out, q, padded, num_heads), _no_lse(q)
 
 
 def sm120_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -169,7 +172,4 @@ def sm120_sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices
         bmm1_scale=float(softmax_scale), bmm2_scale=1.0, sinks=layout.pad_sink(sink, padded),
         kv_layout="NHD", swa_topk_lens=swa_counts,
         extra_sparse_indices=extra_rows, extra_sparse_topk_lens=extra_counts)
-    # the first heads of the padded buffer, contiguous (ARCHITECTURE §3: what the op's fake kernel promises
-    # torch.compile); a copy only where heads were padded
-    out = out.reshape(q.shape[0], padded, _HEAD_DIM)[:, :num_heads]
-    return out.to(q.dtype).contiguous(), _no_lse(q)
+    return _first_heads(out, q, padded, num_heads), _no_lse(q)

@@ -45,14 +45,14 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` as the kernels read it: a [T] index tensor (positions, slot mappings, token_request, lens) at
     ``ptr + t``, a block table row at ``ptr + row * stride(0) + page``. A strided view (``t2[:, 0]``,
     ``table[:, ::2]``) is copied; a tensor with unit last stride is passed as it is (no copy)."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+    return t if t is None or t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()  # common case first
 
 
 def _packed_heads(t: torch.Tensor) -> torch.Tensor:
     """[T, H, D] ``t`` with each token's heads packed (strides (*, D, 1)), else a contiguous copy. Kernels
     address a head as ``head * stride(1)`` in int32: a head-major layout (``x[H, T, D].transpose(0, 1)``,
     stride(1) = T*D) overflows it once (H-1)*T*D >= 2**31. The token stride may be anything (int64 there)."""
-    if t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == t.shape[2]):
+    if t.is_contiguous() or (t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == t.shape[2])):
         return t
     return t.contiguous()
 

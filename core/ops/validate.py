@@ -16,6 +16,7 @@ import os
 
 import torch
 from dsv4.metadata import slots_from_block_table
+from dsv4.ops.dispatch import capturing
 from dsv4.specs.errors import DSV4Error, DSV4TypeError, DSV4ValueError
 
 __all__ = [
@@ -110,7 +111,7 @@ def device_value_checks(device: torch.device) -> bool:
         return True
     if not _switched_on():
         return False
-    return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (torch.cuda.is_available() and capturing(device))
 
 
 def _proxy_tracing() -> bool:
@@ -231,13 +232,17 @@ def check_key_pages(positions: torch.Tensor, token_request: torch.Tensor, key_bl
                                 f"position {int(positions[t])} sees)", f"shape {tuple(key_block_table.shape)}")
     if most == 0:
         return
+    # per request row, the most pages any of its tokens reads: O(T + R * pages), not O(T * pages)
+    per_row = torch.zeros(key_block_table.shape[0], dtype=pages_needed.dtype, device=positions.device)
+    per_row.scatter_reduce_(0, token_request.long(), pages_needed, "amax")
     columns = torch.arange(most, device=positions.device)
-    rows = key_block_table[token_request.long(), :most]
-    missing = (columns[None, :] < pages_needed[:, None]) & (rows < 0)
+    missing = (columns[None, :] < per_row[:, None]) & (key_block_table[:, :most] < 0)
     if bool(missing.any()):
-        t, page = (int(v) for v in missing.nonzero()[0])
+        row, page = (int(v) for v in missing.nonzero()[0])
+        readers = ((token_request.long() == row) & (pages_needed > page)).nonzero()
+        t = int(readers[0, 0])
         raise DSV4ValueError.of("key_block_table", "a page for every entry a token sees (SPEC §6.3)",
-                                f"-1 at page {page} of request row {int(token_request[t])}, which token {t} "
+                                f"-1 at page {page} of request row {row}, which token {t} "
                                 f"(position {int(positions[t])}) reads")
 
 
