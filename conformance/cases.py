@@ -346,16 +346,6 @@ _BUILDERS: dict[str, Callable[[Case, torch.Generator], Prepared]] = {
 }
 
 
-def returned_dtypes(prepared: Prepared) -> dict[str, torch.dtype]:
-    """The dtype each return value of ``prepared``'s op must have (ARCHITECTURE §3): q_out / q / out in
-    the first input's dtype, ``w`` and ``lse`` fp32, ``topk`` int32. Goldens are float64 ideals, so the
-    suite checks a backend's dtypes against this contract, not against the golden."""
-    first = prepared.steps[0][0][0].dtype
-    contract = {"q_out": first, "q": first, "out": first, "w": torch.float32, "lse": torch.float32,
-                "topk": torch.int32}
-    return {name: contract[name] for name in prepared.returns}
-
-
 def default_cases() -> list[Case]:
     """The default suite (about fifty cases; seconds on a CPU with the reference backend)."""
     from dsv4.specs.numerics import get_profile, profile_names

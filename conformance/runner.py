@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,6 @@ from dsv4.conformance.cases import (
     default_cases,
     execute,
     prepare,
-    returned_dtypes,
 )
 from dsv4.conformance.expectations import (
     expectation,
@@ -145,22 +144,29 @@ def first_failure(op: str, metrics: dict[str, Any]) -> str:
 
 
 def _wrong_dtype(output: torch.Tensor, want: torch.dtype, who: str = "") -> dict[str, Any]:
-    """The failing metric of an output whose dtype is not the op's contract (ARCHITECTURE §3)."""
+    """The failing metric of an output whose dtype is not its contract (ARCHITECTURE §3); for the outputs
+    without a fake kernel (``indexer_topk_slots``): an op's own outputs are the ``layout`` metric's."""
     return {"passed": False, "reason": f"{who + ': ' if who else ''}dtype {output.dtype}, expected {want} "
                                       "(ARCHITECTURE §3)"}
 
 
 def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                    *, lse_required: bool = True, check_dtypes: bool = True) -> dict[str, dict[str, Any]]:
+                    *, lse_required: bool = True, uncomparable: Mapping[str, str] | None = None,
+                    ) -> dict[str, dict[str, Any]]:
     """Per output metrics of ``actual`` against ``expected`` under the suite's tolerances. ``prepared``: the
     case's inputs as generated, not the copy the backend ran on (a check that reads an argument, as top-k
-    reads ``positions``, must not see what the backend did to it). With ``check_dtypes`` (a backend's
-    outputs) a return value of another dtype than the op's contract fails (``returned_dtypes``); golden
-    verification compares float64 ideals and turns it off."""
+    reads ``positions``, must not see what the backend did to it).
+
+    Values only: an output's dtype, shape and strides are the ``layout`` metric's (``layout.LayoutCheck``, the
+    op's fake kernel), reported there once. An output of another dtype or strides is compared by value as
+    returned (every comparison runs in float64), so a row says whether only the layout is wrong;
+    ``uncomparable`` (``LayoutCheck.uncomparable``: output -> its layout problem, another shape) are not
+    compared (``passed`` None, the reason names the layout metric). Golden verification compares float64
+    ideals the same way."""
     from dsv4.codecs import get_codec
 
     op = prepared.case.op
-    contract = returned_dtypes(prepared) if check_dtypes else {}
+    uncomparable = uncomparable or {}
     metrics: dict[str, dict[str, Any]] = {}
     for name in (*prepared.returns, *prepared.caches):
         tol = tolerance_for(op, name, prepared.case.profile)
@@ -170,8 +176,8 @@ def compare_outputs(prepared: Prepared, actual: dict[str, torch.Tensor], expecte
         if name not in actual:
             metrics[name] = {"passed": False, "reason": "output missing"}
             continue
-        if name in contract and actual[name].dtype != contract[name]:
-            metrics[name] = _wrong_dtype(actual[name], contract[name])
+        if name in uncomparable:
+            metrics[name] = {"passed": None, "reason": f"not compared: its layout fails ({uncomparable[name]})"}
             continue
         if tol.kind == "topk":
             args, _ = prepared.steps[0]
@@ -260,10 +266,11 @@ def far_not_run(metrics: dict[str, dict[str, Any]]) -> str:
     return far.get("reason", "") if isinstance(far, dict) and far.get("passed") is None else ""
 
 
-def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
+def _far_metrics(layout: LayoutCheck, prepared: Prepared, device: torch.device, expected: dict[str, torch.Tensor],
                  lse_required: bool, near: dict[str, dict[str, Any]], gib: int) -> dict[str, dict[str, Any]]:
-    """``prepared`` (unwritten CPU inputs) again with its pages placed ``gib`` GiB far on ``device``, compared
-    against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
+    """``prepared`` (unwritten CPU inputs) again with its pages placed ``gib`` GiB far on ``device``, run
+    through ``layout`` (the near run's check of the backend's op: its problems join the one ``layout``
+    metric) and compared against the same expected outputs; metrics named ``<output>@far``. No memory for the far caches is
     ``run@far`` not run (``passed`` None, see ``far_not_run``); another exception while placing them is
     ``run@far`` failed. An exception of the backend's call, out of memory included, is ``run@far`` with
     ``raised`` (the row becomes an error; the near metrics stay). A far metric that fails where ``near``'s
@@ -280,11 +287,12 @@ def _far_metrics(backend: Backend, prepared: Prepared, device: torch.device, exp
         return {"run@far": {"passed": False,
                             "reason": f"placing the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
     try:
-        actual = execute(far, getattr(backend, prepared.case.op))
+        actual = execute(far, layout)
     except Exception as exc:  # noqa: BLE001 - the backend's exception: an error row
         return {"run@far": {"passed": False, "raised": True,
                             "reason": f"with the {far_pages(gib)}: {type(exc).__name__}: {exc}"[:500]}}
-    metrics = {**compare_outputs(prepared, actual, expected, lse_required=lse_required), **guard.metrics()}
+    metrics = {**compare_outputs(prepared, actual, expected, lse_required=lse_required,
+                                 uncomparable=layout.uncomparable), **guard.metrics()}
     for name, m in metrics.items():
         if m.get("passed") is False and m.get("reason") and near.get(name, {}).get("passed") is not False:
             m["reason"] = f"with the {far_pages(gib)} (32-bit page arithmetic?): {m['reason']}"
@@ -326,13 +334,15 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         layout = LayoutCheck(case.op, prepared.returns, getattr(backend, case.op))
         actual = execute(run, layout)
         lse_required = _lse_required(backend, case)
-        row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required)
+        row.metrics = compare_outputs(prepared, actual, expected, lse_required=lse_required,
+                                      uncomparable=layout.uncomparable)
         if case.op == "indexer_topk":
             row.metrics["slots"] = slots_metric(backend, prepared, run, actual["topk"])
         row.metrics.update(guard.metrics())
-        row.metrics.update(layout.metrics())
-        if far and prepared.pages:
-            row.metrics.update(_far_metrics(backend, prepared, device, expected, lse_required, row.metrics, far_gib))
+        far_metrics = (_far_metrics(layout, prepared, device, expected, lse_required, row.metrics, far_gib)
+                       if far and prepared.pages else {})
+        row.metrics.update(layout.metrics())  # the near and the far calls' layout, after both ran
+        row.metrics.update(far_metrics)
         row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
     except Exception as exc:  # noqa: BLE001 - a backend exception is an "error" outcome, not a crash
         row.outcome = "error"
@@ -429,22 +439,28 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
 
                 run_a = prepare_to(clone_prepared(prepared), device)
                 run_b = prepare_to(clone_prepared(prepared), device)
-                guard_a = InputGuard(run_a)  # A's outputs are B's expected values: A may not edit its inputs either
-                out_a = execute(run_a, getattr(a, case.op))
+                # A's outputs are B's expected values: A may not edit its inputs either, and its layout is
+                # checked as B's (metrics ``inputs_<A>``, ``layout_<A>``)
+                guard_a = InputGuard(run_a)
+                layout_a = LayoutCheck(case.op, prepared.returns, getattr(a, case.op))
+                out_a = execute(run_a, layout_a)
                 guard = InputGuard(run_b)
                 layout = LayoutCheck(case.op, prepared.returns, getattr(b, case.op))
                 out_b = execute(run_b, layout)
                 lse = _lse_required(a, case) and _lse_required(b, case)
-                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse), **guard.metrics(),
-                               **layout.metrics(), **{f"{k}_{backend_a}": m for k, m in guard_a.metrics().items()}}
-                if far and prepared.pages:
-                    row.metrics.update(_far_metrics(b, prepared, device, out_a, lse, row.metrics, far_gib))
-                if case.op == "indexer_topk":  # both sides must satisfy the tie-aware rule (A's dtype included)
+                row.metrics = {**compare_outputs(prepared, out_b, out_a, lse_required=lse,
+                                                 uncomparable={**{k: f"{backend_a}: {v}" for k, v in layout_a.uncomparable.items()},
+                                                               **layout.uncomparable}),
+                               **guard.metrics()}
+                far_metrics = (_far_metrics(layout, prepared, device, out_a, lse, row.metrics, far_gib)
+                               if far and prepared.pages else {})
+                row.metrics.update(layout.metrics())
+                row.metrics.update({f"{k}_{backend_a}": m for k, m in (*guard_a.metrics().items(),
+                                                                       *layout_a.metrics().items())})
+                row.metrics.update(far_metrics)
+                if case.op == "indexer_topk" and "topk" not in layout_a.uncomparable:
+                    # both sides must satisfy the tie-aware rule
                     row.metrics["topk_" + backend_a] = compare_outputs(prepared, out_a, out_a)["topk"]
-                else:  # B's dtypes are checked above; A's here
-                    for name, want in returned_dtypes(run_a).items():
-                        if name in out_a and out_a[name].dtype != want:
-                            row.metrics[f"{name}_{backend_a}"] = _wrong_dtype(out_a[name], want, backend_a)
                 row.outcome, row.reasons = _outcome(row.metrics), _raised(row.metrics)
         except Exception as exc:  # noqa: BLE001
             row.outcome, row.reasons = "error", [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]

@@ -62,5 +62,5 @@ def test_stored_golden_equals_a_fresh_reference_run():
         prepared = prepare(case)
         stored, why = store.lookup(case, prepared)
         assert stored is not None, why
-        metrics = compare_outputs(prepared, expected_outputs(prepared), stored, check_dtypes=False)
+        metrics = compare_outputs(prepared, expected_outputs(prepared), stored)
         assert all(m["passed"] is not False for m in metrics.values()), (case.id, metrics)

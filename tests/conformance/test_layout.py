@@ -75,3 +75,23 @@ def test_problems_name_shape_dtype_and_count():
     one = (args[0][:1], args[1][:1], args[2][:1], args[3])
     lone_q = torch.empty(64, 1, 128, dtype=q.dtype).transpose(0, 1)  # [1, 64, 128]: a stride of a size-1 dim
     assert layout_problems("indexer_q", names, one, kwargs, (lone_q, w[:1])) == []
+
+
+def test_a_wrong_dtype_fails_the_row_once_in_the_layout_metric():
+    """A backend returning fp64 ``q`` / ``w`` (values right) fails its row through ``layout`` alone: the value
+    metrics compare the values (they pass), and nothing else reports the dtype."""
+    class Widens(ReferenceBackend):
+        name = "widens"
+
+        def indexer_q(self, *args, **kwargs):
+            q, w = super().indexer_q(*args, **kwargs)
+            return q.double(), w.double()
+
+    cases = select_cases(default_cases(), ["indexer_q"], "deepseek")
+    (row,) = run_suite(["widens"], cases, registry=_registry(Widens()), far=False).rows
+    assert row.outcome == "failed" and row.counts_as_failure
+    assert row.metrics["layout"]["problems"] == ["q: dtype torch.float64, the fake kernel promises torch.bfloat16",
+                                                 "w: dtype torch.float64, the fake kernel promises torch.float32"]
+    assert row.metrics["q"]["passed"] is True and row.metrics["w"]["passed"] is True
+    assert [k for k, m in row.metrics.items() if m.get("passed") is False] == ["layout"]
+    assert row.summary().startswith("indexer_q.layout: q: dtype torch.float64")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv4.conformance.cases import Case, clone_prepared, execute, prepare, returned_dtypes
+from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
 from dsv4.conformance.golden import expected_outputs
 from dsv4.conformance.metrics import compare_cache, compare_tensor
 from dsv4.conformance.runner import compare_outputs
@@ -30,27 +30,76 @@ def test_an_unquantized_cache_is_compared_under_the_given_tolerance() -> None:
     assert compare_cache(a, e, None, Tolerance(kind="cache", abs_tol=1e-6))["passed"] is True
 
 
-@pytest.mark.parametrize("case", [Case("sparse_attention", "csa", "vllm", "fp8_ds_mla", "decode"),
-                                  Case("indexer_topk", "csa", "deepseek", "indexer_mxfp4", "mixed"),
-                                  Case("indexer_q", "csa", "deepseek", "-", "mixed")], ids=lambda c: c.id)
-def test_a_backend_returning_the_wrong_dtypes_fails(case: Case) -> None:
-    """The reference's outputs with every float return widened to fp32 / fp64 and top-k to int64 (values
-    unchanged) must fail on dtype alone; the same outputs in the contract's dtypes pass."""
+_WRONG_DTYPE_CASES = [Case("sparse_attention", "csa", "vllm", "fp8_ds_mla", "decode"),
+                      Case("indexer_topk", "csa", "deepseek", "indexer_mxfp4", "mixed"),
+                      Case("indexer_q", "csa", "deepseek", "-", "mixed")]
+
+
+class _Widens:
+    """The reference's op with every float return widened to fp64 and top-k to int64 (values unchanged)."""
+
+    def __init__(self, op: str) -> None:
+        from dsv4.backends.reference import ReferenceBackend
+
+        self.run = getattr(ReferenceBackend(), op)
+
+    def __call__(self, *args, **kwargs):
+        result = self.run(*args, **kwargs)
+        widen = lambda v: v.to(torch.int64 if v.dtype == torch.int32 else torch.float64)
+        return tuple(widen(v) for v in result) if isinstance(result, tuple) else widen(result)
+
+
+@pytest.mark.parametrize("case", _WRONG_DTYPE_CASES, ids=lambda c: c.id)
+def test_a_backend_returning_the_wrong_dtypes_fails_the_layout_metric_once(case: Case) -> None:
+    """Widened outputs (values unchanged) fail the ``layout`` metric, naming every output's dtype against the
+    fake kernel's; the value metrics compare the values and pass: one failure, reported once. The same
+    outputs in the promised dtypes pass both."""
     from dsv4.backends.reference import ReferenceBackend
+    from dsv4.conformance.layout import LayoutCheck
 
     prepared = prepare(case)
     expected = expected_outputs(prepared)
-    actual = execute(clone_prepared(prepared), getattr(ReferenceBackend(), case.op))
     lse = case.op != "sparse_attention"
+    right = LayoutCheck(case.op, prepared.returns, getattr(ReferenceBackend(), case.op))
+    actual = execute(clone_prepared(prepared), right)
+    assert right.metrics() == {}
     assert all(m["passed"] is not False for m in compare_outputs(prepared, actual, expected, lse_required=lse)
                .values())
-    contract = returned_dtypes(prepared)
-    widened = {k: v.to(torch.int64 if v.dtype == torch.int32 else torch.float64) for k, v in actual.items()}
-    metrics = compare_outputs(prepared, widened, expected, lse_required=lse)
-    for name in contract:
+    wrong = LayoutCheck(case.op, prepared.returns, _Widens(case.op))
+    widened = execute(clone_prepared(prepared), wrong)
+    layout = wrong.metrics()["layout"]
+    assert layout["passed"] is False
+    for name in prepared.returns:
+        want = "torch.int32" if name == "topk" else "torch.float32" if name in ("w", "lse") else "torch.bfloat16"
+        got = "torch.int64" if name == "topk" else "torch.float64"
+        assert f"{name}: dtype {got}, the fake kernel promises {want}" in layout["problems"], layout
+    assert wrong.uncomparable == {}  # a dtype leaves the values comparable
+    metrics = compare_outputs(prepared, widened, expected, lse_required=lse, uncomparable=wrong.uncomparable)
+    for name in prepared.returns:
         if name == "lse" and not lse:
             continue
-        assert metrics[name]["passed"] is False and "dtype" in metrics[name]["reason"], (name, metrics[name])
+        assert metrics[name]["passed"] is True and "dtype" not in metrics[name].get("reason", ""), (name,
+                                                                                                   metrics[name])
+
+
+def test_an_output_of_another_shape_is_not_compared_and_names_the_layout_problem() -> None:
+    """Another shape fails ``layout`` and leaves the value metric uncompared (``passed`` None), naming the
+    layout problem instead of reporting a second shape failure."""
+    from dsv4.backends.reference import ReferenceBackend
+    from dsv4.conformance.layout import LayoutCheck
+
+    prepared = prepare(_WRONG_DTYPE_CASES[2])
+
+    def cut(*args, **kwargs):
+        q, w = ReferenceBackend().indexer_q(*args, **kwargs)
+        return q[:, :-1], w
+
+    layout = LayoutCheck("indexer_q", prepared.returns, cut)
+    actual = execute(clone_prepared(prepared), layout)
+    metrics = compare_outputs(prepared, actual, expected_outputs(prepared), uncomparable=layout.uncomparable)
+    assert metrics["q"]["passed"] is None and metrics["q"]["reason"].startswith("not compared: its layout fails (q: "
+                                                                                "shape (10, 63, 128)")
+    assert metrics["w"]["passed"] is True and layout.metrics()["layout"]["passed"] is False
 
 
 def test_nan_positions_are_located_and_no_zero_error_is_reported() -> None:

@@ -153,8 +153,8 @@ def test_default_suite_is_small():
 
 
 def test_differential_mode_checks_both_sides_dtypes(registry):
-    """A differential run compares B with A and holds both to the returned-dtype contract: a backend A
-    that widens its outputs fails even though B matches A's values."""
+    """A differential run compares B with A and holds both to the fake kernel's layout: a backend A that
+    widens its outputs fails (``layout_<A>``) even though B matches A's values; no value metric repeats it."""
     class Widens(ReferenceBackend):
         name = "widens"
 
@@ -166,7 +166,10 @@ def test_differential_mode_checks_both_sides_dtypes(registry):
     result = run_differential("widens", "reference", _cases("indexer_q", "vllm"), registry=registry)
     row = result.rows[0]
     assert row.outcome == "failed", row.metrics
-    assert "widens: dtype torch.float64" in row.metrics["q_widens"]["reason"]
+    assert "q: dtype torch.float64, the fake kernel promises torch.bfloat16" in row.metrics["layout_widens"]["reason"]
+    assert "w: dtype torch.float64" in row.metrics["layout_widens"]["reason"]
+    assert row.metrics["q"]["passed"] is True and "layout" not in row.metrics  # B's layout is right
+    assert not any("dtype" in m.get("reason", "") for k, m in row.metrics.items() if k != "layout_widens")
 
 
 def test_a_wrong_fused_topk_slot_conversion_fails_the_slots_metric():
