@@ -26,13 +26,13 @@ __all__ = [
     "GENERATOR_VERSION",
     "Case",
     "Prepared",
-    "clone_prepared",
     "default_cases",
     "execute",
     "inputs_sha256",
     "poison_",
     "prepare",
     "prepare_to",
+    "private_copy",
     "select_cases",
 ]
 
@@ -425,7 +425,8 @@ def prepare(case: Case, device: torch.device | str = "cpu", seed: int | None = N
 
 def prepare_to(prepared: Prepared, device: torch.device | str) -> Prepared:
     """``prepared`` with every input on ``device`` (tensors shared between steps stay shared); a new
-    ``Prepared`` off the CPU, ``prepared`` itself (unchanged) on it."""
+    ``Prepared`` off the CPU, ``prepared`` itself (unchanged) on it. Not a private copy on the CPU: a backend
+    runs on :func:`private_copy`."""
     device = torch.device(device)
     if device.type == "cpu":
         return prepared
@@ -433,22 +434,29 @@ def prepare_to(prepared: Prepared, device: torch.device | str) -> Prepared:
 
     def move(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return moved.setdefault(id(x), x.to(device))
+            if id(x) not in moved:
+                moved[id(x)] = x.to(device)
+            return moved[id(x)]
         return x
 
     return replace(prepared, steps=[(tuple(move(a) for a in args), kwargs) for args, kwargs in prepared.steps])
 
 
-def clone_prepared(prepared: Prepared) -> Prepared:
-    """A deep copy (shared tensors stay shared), so two backends can run the same inputs."""
+def private_copy(prepared: Prepared, device: torch.device | str | None = None) -> Prepared:
+    """A copy of ``prepared`` that a backend may run on (and write): every input tensor copied exactly once,
+    straight onto ``device`` (None: where it is), sharing no storage with ``prepared``; a tensor shared between
+    steps (a cache) stays shared. The bookkeeping dicts are copied; ``check``'s tensors (read-only) are not."""
+    target = None if device is None else torch.device(device)
     copies: dict[int, torch.Tensor] = {}
 
     def copy(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return copies.setdefault(id(x), x.clone())
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in copies:
+            copies[id(x)] = x.clone() if target is None else x.to(target, copy=True)
+        return copies[id(x)]
 
-    steps = [(tuple(copy(a) for a in args), dict(kwargs)) for args, kwargs in prepared.steps]
+    steps = [(tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}) for args, kwargs in prepared.steps]
     return Prepared(prepared.case, steps, prepared.returns, dict(prepared.caches), dict(prepared.check),
                     dict(prepared.pages), dict(prepared.leading))
 

@@ -28,11 +28,11 @@ from dsv4.conformance.cases import (
     GENERATOR_VERSION,
     Case,
     Prepared,
-    clone_prepared,
     default_cases,
     execute,
     inputs_sha256,
     prepare,
+    private_copy,
 )
 from dsv4.specs.errors import DSV4ValueError
 
@@ -80,7 +80,7 @@ def expected_outputs(prepared: Prepared, reference: Any | None = None) -> dict[s
         from dsv4.backends.reference import ReferenceBackend
 
         reference = ReferenceBackend()
-    run = clone_prepared(prepared)
+    run = private_copy(prepared)
     if prepared.case.golden_numerics == "float64":
         run = _ideal(run)
     return execute(run, getattr(reference, prepared.case.op))

@@ -28,10 +28,10 @@ from dsv4.backend import Backend, OpRequest
 from dsv4.conformance.cases import (
     Case,
     Prepared,
-    clone_prepared,
     default_cases,
     execute,
     prepare,
+    private_copy,
 )
 from dsv4.conformance.expectations import (
     expectation,
@@ -275,11 +275,10 @@ def _far_metrics(layout: LayoutCheck, prepared: Prepared, device: torch.device, 
     ``run@far`` failed. An exception of the backend's call, out of memory included, is ``run@far`` with
     ``raised`` (the row becomes an error; the near metrics stay). A far metric that fails where ``near``'s
     passed says so in its reason."""
-    from dsv4.conformance.cases import prepare_to
     from dsv4.conformance.placement import place_far
 
     try:
-        far = place_far(prepare_to(clone_prepared(prepared), device), gib)  # the backend gets copies only
+        far = place_far(private_copy(prepared, device), gib)  # the backend gets copies only
         guard = InputGuard(far)
     except Exception as exc:  # noqa: BLE001 - the far run's outcome; the near metrics stay
         if _no_memory(exc):
@@ -325,11 +324,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
             if expected_cache is not None:
                 expected_cache[case.id] = (expected, source)
         row.expected_source = source
-        run = clone_prepared(prepared)
-        if device.type != "cpu":
-            from dsv4.conformance.cases import prepare_to
-
-            run = prepare_to(run, device)
+        run = private_copy(prepared, device)
         guard = InputGuard(run)
         layout = LayoutCheck(case.op, prepared.returns, getattr(backend, case.op))
         actual = execute(run, layout)
@@ -435,10 +430,7 @@ def run_differential(backend_a: str, backend_b: str, cases: Sequence[Case] | Non
             if reasons:
                 row.outcome, row.reasons = "unsupported", reasons
             else:
-                from dsv4.conformance.cases import prepare_to
-
-                run_a = prepare_to(clone_prepared(prepared), device)
-                run_b = prepare_to(clone_prepared(prepared), device)
+                run_a, run_b = private_copy(prepared, device), private_copy(prepared, device)
                 # A's outputs are B's expected values: A may not edit its inputs either, and its layout is
                 # checked as B's (metrics ``inputs_<A>``, ``layout_<A>``)
                 guard_a = InputGuard(run_a)

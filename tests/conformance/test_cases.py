@@ -104,3 +104,55 @@ def test_a_sink_indexed_per_8_head_tile_fails_the_cases_with_more_heads():
     assert len(many) >= 3 and all(rows[c.id].outcome == "failed" for c in many), [(r.case, r.outcome) for r in
                                                                                   rows.values()]
     assert all(rows[c.id].outcome == "passed" for c in eight)  # right for 8 heads: only the new cases see it
+
+
+def _tensors(prepared) -> list[torch.Tensor]:
+    """The distinct input tensors of ``prepared`` (a tensor shared between steps once), in order."""
+    seen: dict[int, torch.Tensor] = {}
+    for args, kwargs in prepared.steps:
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor):
+                seen.setdefault(id(x), x)
+    return list(seen.values())
+
+
+class _CopyCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's data (``clone``, ``_to_copy``, ``copy_``) run inside it."""
+
+    COPIES = ("aten::clone", "aten::_to_copy", "aten::copy_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func._schema.name in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+# one multi-step case (its caches are shared between steps) and one single-step case
+_COPY_CASES = [c for c in default_cases() if c.id in ("compress_insert/csa/deepseek/fp8_ds_mla/multi-step",
+                                                      "indexer_topk/csa/vllm/indexer_fp8/mixed")]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: a move off the CPU, as onto an accelerator
+@pytest.mark.parametrize("case", _COPY_CASES, ids=lambda c: c.id)
+def test_private_copy_copies_every_input_once_and_shares_no_storage(case, device):
+    from dsv4.conformance.cases import private_copy
+
+    assert len(_COPY_CASES) == 2
+    prepared = prepare(case)
+    originals = _tensors(prepared)
+    with _CopyCount() as count:
+        copy = private_copy(prepared, device)
+    copies = _tensors(copy)
+    assert count.copies == len(originals) == len(copies)  # one copy each, a tensor shared by steps once
+    assert all(c.device.type == device for c in copies)
+    assert [(c.shape, c.dtype, c.stride()) for c in copies] == [(o.shape, o.dtype, o.stride()) for o in originals]
+    if device == "cpu":
+        storages = {o.untyped_storage().data_ptr() for o in originals}
+        assert not storages & {c.untyped_storage().data_ptr() for c in copies}
+        assert all(torch.equal(c.view(torch.uint8), o.view(torch.uint8)) for c, o in zip(copies, originals))
+    for step in range(1, len(copy.steps)):  # the caches stay one tensor across steps
+        assert all(copy.steps[step][0][i] is copy.steps[0][0][i] for i, _ in copy.caches.values())
+    assert copy.caches == prepared.caches and copy.caches is not prepared.caches

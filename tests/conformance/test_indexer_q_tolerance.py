@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dsv4.backends.reference import ReferenceBackend
-from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+from dsv4.conformance.cases import Case, execute, prepare, private_copy
 from dsv4.conformance.metrics import compare_tensor
 from dsv4.conformance.runner import compare_outputs
 from dsv4.conformance.tolerances import tolerance_for
@@ -14,7 +14,7 @@ PROFILES = ("deepseek", "vllm", "ascend")
 
 def _outputs(profile):
     prepared = prepare(Case("indexer_q", "csa", profile, "-", "mixed"))
-    return prepared, execute(clone_prepared(prepared), ReferenceBackend().indexer_q)
+    return prepared, execute(private_copy(prepared), ReferenceBackend().indexer_q)
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -9,7 +9,7 @@ import torch
 from _wrong_backends import HeadMajorOut
 from dsv4.backend import OP_NAMES
 from dsv4.backends.reference import ReferenceBackend
-from dsv4.conformance.cases import clone_prepared, default_cases, prepare, select_cases
+from dsv4.conformance.cases import default_cases, prepare, private_copy, select_cases
 from dsv4.conformance.layout import layout_problems, promised_outputs
 from dsv4.conformance.runner import run_differential, run_suite
 from dsv4.registry import Registry
@@ -53,7 +53,7 @@ def test_a_layout_failure_is_never_an_expected_failure():
 def test_the_fake_kernels_promise_contiguous_outputs_for_head_major_inputs(op):
     """The fakes allocate contiguous outputs whatever the first input's strides, as the reference and the
     Triton wrappers do (``empty_like`` of a head-major q would promise q's strides instead)."""
-    prepared = clone_prepared(prepare(_FIRST[op]))
+    prepared = private_copy(prepare(_FIRST[op]))
     args, kwargs = prepared.steps[0]
     first = args[0]
     args = (first.transpose(0, 1).contiguous().transpose(0, 1), *args[1:]) if first.dim() == 3 else args

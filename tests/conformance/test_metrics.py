@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+from dsv4.conformance.cases import Case, execute, prepare, private_copy
 from dsv4.conformance.golden import expected_outputs
 from dsv4.conformance.metrics import compare_cache, compare_tensor
 from dsv4.conformance.runner import compare_outputs
@@ -61,12 +61,12 @@ def test_a_backend_returning_the_wrong_dtypes_fails_the_layout_metric_once(case:
     expected = expected_outputs(prepared)
     lse = case.op != "sparse_attention"
     right = LayoutCheck(case.op, prepared.returns, getattr(ReferenceBackend(), case.op))
-    actual = execute(clone_prepared(prepared), right)
+    actual = execute(private_copy(prepared), right)
     assert right.metrics() == {}
     assert all(m["passed"] is not False for m in compare_outputs(prepared, actual, expected, lse_required=lse)
                .values())
     wrong = LayoutCheck(case.op, prepared.returns, _Widens(case.op))
-    widened = execute(clone_prepared(prepared), wrong)
+    widened = execute(private_copy(prepared), wrong)
     layout = wrong.metrics()["layout"]
     assert layout["passed"] is False
     for name in prepared.returns:
@@ -95,7 +95,7 @@ def test_an_output_of_another_shape_is_not_compared_and_names_the_layout_problem
         return q[:, :-1], w
 
     layout = LayoutCheck("indexer_q", prepared.returns, cut)
-    actual = execute(clone_prepared(prepared), layout)
+    actual = execute(private_copy(prepared), layout)
     metrics = compare_outputs(prepared, actual, expected_outputs(prepared), uncomparable=layout.uncomparable)
     assert metrics["q"]["passed"] is None and metrics["q"]["reason"].startswith("not compared: its layout fails (q: "
                                                                                 "shape (10, 63, 128)")

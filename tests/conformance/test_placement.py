@@ -83,9 +83,9 @@ def test_far_outputs_equal_near_outputs_on_the_reference():
         prepared = prepare(case)
         if not prepared.pages:
             continue
-        from dsv4.conformance.cases import clone_prepared
+        from dsv4.conformance.cases import private_copy
 
-        near = execute(clone_prepared(prepared), getattr(backend, case.op))
+        near = execute(private_copy(prepared), getattr(backend, case.op))
         far = execute(place_far(prepared), getattr(backend, case.op))
         assert near.keys() == far.keys()
         for name in near:  # caches come back without the pad

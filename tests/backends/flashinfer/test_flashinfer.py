@@ -72,7 +72,7 @@ def test_sm100_fp8_rows_fail_the_suite_as_declared(monkeypatch):
     fails SPEC §13 (the backend's expected_failures entry, which matches the case); with that one step
     made exact (q already on the grid), the same call passes. So the entry names the only difference."""
     from dsv4.backends.flashinfer import attention
-    from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+    from dsv4.conformance.cases import Case, execute, prepare, private_copy
     from dsv4.conformance.expectations import expected_failure_entry, unexpected_failures
     from dsv4.conformance.golden import expected_outputs
     from dsv4.conformance.runner import compare_outputs
@@ -85,7 +85,7 @@ def test_sm100_fp8_rows_fail_the_suite_as_declared(monkeypatch):
     expected = expected_outputs(prepared)
 
     def out_passed() -> bool:
-        actual = execute(clone_prepared(prepared), backend.sparse_attention)
+        actual = execute(private_copy(prepared), backend.sparse_attention)
         metrics = compare_outputs(prepared, actual, expected, lse_required=False)
         assert unexpected_failures(entry, metrics) == []  # failing or not, within the entry
         return metrics["out"]["passed"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from dsv4.backend import OP_NAMES, OpRequest
 from dsv4.backends.reference import ReferenceBackend
-from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+from dsv4.conformance.cases import Case, execute, prepare, private_copy
 from dsv4.registry import Registry
 
 
@@ -32,8 +32,8 @@ def test_wrappers_pass_every_argument_through():
 
     prepared = prepare(Case("compress_insert", "csa", "vllm", "indexer_fp8", "indexer-multi-step"))
     assert [kw["windows_in_call"] for _, kw in prepared.steps] == [True, False]  # the fresh first step's promise
-    mine = execute(clone_prepared(prepared), ReferenceBackend().compress_insert)
-    theirs = execute(clone_prepared(prepared), reference.compress_insert)
+    mine = execute(private_copy(prepared), ReferenceBackend().compress_insert)
+    theirs = execute(private_copy(prepared), reference.compress_insert)
     for name in mine:
         assert torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8))
     assert not torch.isnan(mine["state_cache"]).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dsv4 import ops
 from dsv4.backend import OP_NAMES
-from dsv4.conformance.cases import Case, clone_prepared, default_cases, prepare
+from dsv4.conformance.cases import Case, default_cases, prepare, private_copy
 from dsv4.ops.library import CUSTOM_OPS
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
@@ -30,7 +30,7 @@ def test_public_op_matches_reference_and_writes_caches(op):
     from dsv4 import reference
 
     prepared = prepare(_CASES[op])
-    mine, theirs = clone_prepared(prepared), clone_prepared(prepared)
+    mine, theirs = private_copy(prepared), private_copy(prepared)
     (args, kwargs), (rargs, rkwargs) = mine.steps[0], theirs.steps[0]
     got = getattr(ops, op)(*args, **kwargs, backend="auto")
     want = getattr(reference, op)(*rargs, **rkwargs)
@@ -131,7 +131,7 @@ def test_eager_inference_skips_the_custom_op_with_the_same_bits(op):
     extra = {"extra_kind": LayerKind(_CASES[op].kind).compressed_list} if op == "sparse_attention" else {}
     results = {}
     for grad in (True, False):
-        run = clone_prepared(prepared)
+        run = private_copy(prepared)
         args, kwargs = run.steps[0]
         with torch.set_grad_enabled(grad), profile() as prof:
             out = getattr(ops, op)(*args, **kwargs, **extra, backend="reference")

@@ -7,7 +7,7 @@ import torch
 from dsv4 import ops, reference
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.codecs import get_codec
-from dsv4.conformance.cases import Case, clone_prepared, execute, prepare
+from dsv4.conformance.cases import Case, execute, prepare, private_copy
 from dsv4.conformance.golden import expected_outputs
 from dsv4.conformance.runner import compare_outputs
 from dsv4.ops import validate
@@ -128,7 +128,7 @@ def test_reference_gives_the_same_error(op, name, mutate):
 @pytest.mark.parametrize("op", list(_CASES))
 def test_in_range_triton_call_matches_the_reference(op):
     prepared = prepare(_CASES[op])
-    run = clone_prepared(prepared)
+    run = private_copy(prepared)
     actual = execute(run, lambda *a, **k: getattr(ops, op)(*a, **k, backend="triton"))
     metrics = compare_outputs(run, actual, expected_outputs(prepared))
     assert all(m.get("passed") is not False for m in metrics.values()), metrics
