@@ -225,13 +225,9 @@ class _PageMap:
             self.token[: block_size * token_bytes] = torch.arange(block_size).repeat_interleave(token_bytes)
 
     def fields(self) -> list[tuple[str, torch.Tensor]]:
-        """``(field, bool [page_bytes])`` per field of a byte format: the bytes ``unpack_page`` reads as it."""
+        """``(field, bool [page_bytes])`` per field of a byte format: the codec's ``field_byte_masks``."""
         if self._fields is None:
-            codec, block, size = self.codec, self.block_size, self.page_bytes
-            probe = codec.unpack_page(torch.full((1, size), 0xFF, dtype=torch.uint8), block)
-            self._fields = [(name, codec.pack_page({k: v if k == name else torch.zeros_like(v)
-                                                    for k, v in probe.items()}, block, size)[0] != 0)
-                            for name in probe]
+            self._fields = list(self.codec.field_byte_masks(self.block_size, self.page_bytes).items())
         return self._fields
 
     def place(self, page: int, byte: int) -> dict[str, Any]:

@@ -213,12 +213,25 @@ class ByteCodec(Codec):
             raise CacheLayoutError.of("pages", f"last dim >= {self.format.page_bytes(block)}", pages.shape[-1])
         return self.to_fields([view.contiguous() for view in self.section_views(pages, block)])
 
+    def field_byte_masks(self, block_size: int, page_stride: int | None = None) -> dict[str, Tensor]:
+        """Per field of :meth:`unpack_page` (in its order), bool ``[page_stride]``: True where a page byte is
+        read as that field. Derived from the codec's own field table (``to_fields`` / ``from_fields``): every
+        field byte survives an all-0xFF round trip, and each field is packed alone."""
+        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
+        probe = self.unpack_page(torch.full((1, stride), 0xFF, dtype=torch.uint8), block_size)
+        return {name: self.pack_page({k: v if k == name else torch.zeros_like(v) for k, v in probe.items()},
+                                     block_size, stride)[0] != 0
+                for name in probe}
+
     def field_byte_mask(self, block_size: int, page_stride: int | None = None) -> Tensor:
         """bool ``[page_stride]``: True where a page byte belongs to a field (what ``unpack_page`` and
-        ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail."""
-        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
-        probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)  # every field byte survives the round trip
-        return self.pack_page(self.unpack_page(probe, block_size), block_size, stride)[0] != 0
+        ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail. The union of
+        :meth:`field_byte_masks`."""
+        masks = list(self.field_byte_masks(block_size, page_stride).values())
+        union = masks[0].clone()
+        for mask in masks[1:]:
+            union |= mask
+        return union
 
     def pack_page(self, fields: dict[str, Tensor], block_size: int, page_stride: int | None = None) -> Tensor:
         """Inverse of :meth:`unpack_page`: uint8 ``[..., page_stride]`` with every padding byte 0."""
