@@ -137,7 +137,7 @@ def test_the_page_map_places_bytes_by_the_codecs_field_masks(name):
     """One source for where a field's bytes lie: ``Codec.field_byte_masks``. The masks are disjoint, their union
     is ``field_byte_mask`` (every byte an all-0xFF page keeps through unpack/pack), and ``cache_place`` names
     each byte's field from them (a padding byte by its section, the page tail as such), on a padded page too."""
-    from dsv4.conformance.metrics import cache_place
+    from dsv4.conformance.metrics import _PageMap, cache_place
 
     codec, block = get_codec(name), 16
     stride = codec.format.page_stride(block) + 64  # a page padded past the format's stride (shared groups)
@@ -147,8 +147,9 @@ def test_the_page_map_places_bytes_by_the_codecs_field_masks(name):
     probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)
     round_trip = codec.pack_page(codec.unpack_page(probe, block), block, stride)[0] != 0
     assert torch.equal(stacked.any(0), round_trip) and torch.equal(codec.field_byte_mask(block, stride), round_trip)
+    pages = _PageMap(codec, block, stride)  # what cache_place builds per call, once
     for byte in range(stride):
-        field = cache_place(codec, block, stride, 1, byte)["field"]
+        field = pages.place(1, byte)["field"]
         owner = [f for f, mask in masks.items() if mask[byte]]
         if owner:
             assert field == owner[0], (byte, field, owner)
