@@ -4,8 +4,10 @@ counts as one.
 An entry is a case-id glob (fnmatch) -> a reason, or a :class:`dsv4.backend.ExpectedFailure` whose bounds
 say how far it fails (``{"out.cos_diff": 1e-3}``). A row is an expected failure (``xfail``) only when it
 *failed* on numerics and stayed within the entry: an exception (``error``), a modified input, an output
-layout other than the fake kernel's or a far run that raised is never one, and with bounds every failing output must be bounded and within them. A listed
-row that passed is ``xpass``. The table, the JSON summary, JUnit and the pytest plugin share this rule.
+layout other than the fake kernel's or a far run that raised is never one, and with bounds every failing output
+must be bounded and within them. A listed row that passed is ``xpass``. The whole verdict lives here: the runner
+asks :func:`judge` once per row, and the row, the table, the JSON summary, JUnit and the pytest plugin read
+:func:`expectation` / :func:`counts_as_failure`.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from typing import Any
 from dsv4.backend import Backend, ExpectedFailure
 
 __all__ = [
+    "counts_as_failure",
     "expectation",
     "expected_failure_entry",
     "expected_failure_for",
+    "judge",
     "unexpected_failures",
     "unmatched_expected_failures",
 ]
@@ -38,6 +42,34 @@ def expectation(outcome: str, expected_failure: str | None) -> str | None:
     if outcome == "failed":
         return "xfail"
     return "xpass" if outcome == "passed" else None
+
+
+def counts_as_failure(outcome: str, expected_failure: str | None) -> bool:
+    """Whether a row fails the run: ``failed`` or ``error`` and not an expected failure (``xfail``)."""
+    return outcome in ("failed", "error") and expectation(outcome, expected_failure) != "xfail"
+
+
+def judge(entry: ExpectedFailure | None, outcome: str, metrics: dict[str, dict[str, Any]],
+          reasons: list[str]) -> str | None:
+    """A finished row's ``expected_failure``: ``entry``'s reason (the backend's entry matching the case, None
+    where none does), unless the row is listed but its failure is not the entry's (:func:`unexpected_failures`,
+    or an exception). Then None, and the row says why it counts: after an ``error``'s exception line in
+    ``reasons`` (before its traceback), or as a failing ``expectation`` metric of a ``failed`` row (both edited
+    in place)."""
+    if entry is None:
+        return None
+    if outcome not in ("failed", "error"):
+        return entry.reason
+    beyond = (unexpected_failures(entry, metrics) if outcome == "failed"
+              else ["it raised: an exception is never an expected failure"])
+    if not beyond:
+        return entry.reason
+    note = f"listed as an expected failure ({entry.reason}), but {'; '.join(beyond)}"[:500]
+    if outcome == "error":
+        reasons.insert(1, note)
+    else:
+        metrics["expectation"] = {"passed": False, "reason": note}
+    return None
 
 
 def expected_failure_entry(backend: Backend, case_id: str) -> ExpectedFailure | None:

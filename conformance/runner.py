@@ -3,8 +3,8 @@
 Outcomes per (backend, case): ``passed``, ``failed`` (numerics), ``error`` (an exception),
 ``unsupported`` (the backend's own ``not_supported_reasons``), ``skipped`` (environment: the
 backend is not available here). A failed row within the backend's ``expected_failures`` entry keeps its
-outcome and carries the reason in ``expected_failure``; it does not fail the run (``expectations``: never
-an error, and never past the entry's metric bounds).
+outcome and carries the reason in ``expected_failure``; it does not fail the run (``expectations.judge``, the
+one verdict: never an error, and never past the entry's metric bounds).
 
 Expected outputs come from the stored goldens when they match this machine's inputs, else from
 the reference backend run live (``expected_source`` says which). Differential mode
@@ -34,10 +34,11 @@ from dsv4.conformance.cases import (
     private_copy,
 )
 from dsv4.conformance.expectations import (
+    counts_as_failure,
     expectation,
     expected_failure_entry,
     expected_failure_for,
-    unexpected_failures,
+    judge,
     unmatched_expected_failures,
 )
 from dsv4.conformance.golden import GoldenStore, expected_outputs
@@ -86,7 +87,7 @@ class ResultRow:
 
     @property
     def counts_as_failure(self) -> bool:
-        return self.outcome in ("failed", "error") and self.expectation != "xfail"
+        return counts_as_failure(self.outcome, self.expected_failure)
 
     @property
     def expectation(self) -> str | None:
@@ -305,8 +306,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
     time with its pages past ``far_gib`` GiB of each cache (``placement.place_far``), against the same
     expected outputs; those metrics are named ``<output>@far``."""
     entry = expected_failure_entry(backend, case.id)
-    row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict(),
-                    expected_failure=entry.reason if entry else None)
+    row = ResultRow(backend=backend.name, op=case.op, case=case.id, outcome="passed", params=case.as_dict())
     start = time.perf_counter()
     try:
         prepared = prepare(case)  # CPU inputs: the goldens' input hash is taken here
@@ -344,16 +344,7 @@ def run_case(backend: Backend, case: Case, device: torch.device, golden: GoldenS
         row.reasons = [f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)]
     finally:
         row.seconds = time.perf_counter() - start
-    if entry is not None and row.outcome in ("failed", "error"):
-        beyond = (unexpected_failures(entry, row.metrics) if row.outcome == "failed"
-                  else ["it raised: an exception is never an expected failure"])
-        if beyond:  # listed, but not this failure: it counts, and says why
-            row.expected_failure = None
-            note = f"listed as an expected failure ({entry.reason}), but {'; '.join(beyond)}"[:500]
-            if row.outcome == "error":
-                row.reasons.insert(1, note)  # after the exception's line, before its traceback
-            else:
-                row.metrics["expectation"] = {"passed": False, "reason": note}
+        row.expected_failure = judge(entry, row.outcome, row.metrics, row.reasons)  # every outcome, once
     return row
 
 

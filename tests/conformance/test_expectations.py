@@ -100,3 +100,28 @@ def test_the_pytest_plugin_fails_what_the_runner_does_not_expect(pytester, monke
         result = pytester.runpytest_inprocess("--dsv4-backend", name, "--dsv4-near-only", "-k",
                                               "sparse_attention and fp8_e4m3")
         result.assert_outcomes(**outcomes)
+
+
+def test_judge_is_the_one_verdict():
+    """``expectations.judge``: the entry's reason kept for an in-bounds failure, a pass (xpass) and a row that did
+    not run; None, with the note in place, for a failure past the bounds (an ``expectation`` metric) or an
+    exception (after the exception's line); None without an entry. ``counts_as_failure`` reads the result."""
+    from dsv4.conformance.expectations import counts_as_failure, judge
+
+    entry = BOUNDED[PATTERN]
+    within = {"out": {"passed": False, "cos_diff": 5e-4}}
+    assert judge(entry, "failed", within, []) == entry.reason and "expectation" not in within
+    assert not counts_as_failure("failed", entry.reason)
+    for outcome in ("passed", "unsupported", "skipped"):
+        assert judge(entry, outcome, {}, []) == entry.reason
+    assert judge(None, "failed", within, []) is None and counts_as_failure("failed", None)
+    past = {"out": {"passed": False, "cos_diff": 2e-3}, "layout": {"passed": False, "reason": "q: dtype"}}
+    assert judge(entry, "failed", past, []) is None
+    assert past["expectation"]["passed"] is False
+    assert past["expectation"]["reason"].startswith(f"listed as an expected failure ({entry.reason}), but ")
+    assert "out.cos_diff 0.002 is past the expected failure's bound 0.001" in past["expectation"]["reason"]
+    assert "layout (q: dtype) is never an expected failure" in past["expectation"]["reason"]
+    reasons = ["RuntimeError: boom", "Traceback ..."]
+    assert judge(entry, "error", {}, reasons) is None and counts_as_failure("error", None)
+    assert reasons[0] == "RuntimeError: boom" and "an exception is never an expected failure" in reasons[1]
+    assert reasons[2] == "Traceback ..."
