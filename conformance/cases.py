@@ -85,7 +85,8 @@ class Prepared:
     steps: ``(args, kwargs)`` per op call, in order. returns: names of the op's return values
     (concatenated over steps along dim 0). caches: output name -> (argument index, format name)
     of the caches the op writes (the same tensor object in every step). check: extra data the
-    comparison needs (top-k: positions, token_request, keys). pages: argument index -> how the
+    comparison needs, CPU tensors never handed to the op under test (top-k: the float64 scores, and the
+    block table its ``indexer_topk_slots`` check runs with). pages: argument index -> how the
     arguments address that paged cache (``placement.place_far`` moves them). leading: argument index
     -> pages before the case's own, dropped when a written cache is read back (far placement).
     """
@@ -266,8 +267,17 @@ def _indexer_topk(case: Case, g: torch.Generator) -> Prepared:
     scores = topk_scores(*args, codec, ratio, _BLOCK)
     return Prepared(case, [(args, {"topk": topk, "key_format": key_format, "ratio": ratio})], returns=("topk",),
                     check={"ratio": ratio, "topk": topk, "key_format": key_format, "block_size": _BLOCK,
-                           "scores": scores},
+                           "scores": scores, "slots_block_table": _slots_block_table(table)},
                     pages={4: CachePages(_BLOCK, tables=(5,))})
+
+
+def _slots_block_table(table: torch.Tensor) -> torch.Tensor:
+    """The compressed group's block table ``indexer_topk_slots`` runs with (int32 ``[R, max(1, mb // 2)]``):
+    the key block table ``[R, mb]`` with every third page unallocated (-1, from page 1) and its second half cut
+    off, so that top-k entries on missing pages and past the table (-1 slots) occur."""
+    holed = table.clone()
+    holed[:, 1::3] = -1
+    return holed[:, : max(1, holed.shape[1] // 2)].clone()
 
 
 def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, holes: bool) -> torch.Tensor:

@@ -203,21 +203,20 @@ def slots_metric(backend: Backend, prepared: Prepared, run: Prepared, local: tor
     ``[slots | lens]`` must be equal (a fused conversion, as the Triton backend's, is checked here on every
     device the suite runs on).
 
-    The compressed group's table is the key block table with every third page unallocated (-1) and its
-    second half cut off, so that entries on missing pages and past the table (-1 slots) occur. The two calls
-    must pick the same entries: the suite asks a backend's top-k to be deterministic on equal inputs."""
+    The compressed group's table is the case's (``check["slots_block_table"]``, ``cases._slots_block_table``:
+    pages missing and a table cut short, so that -1 slots occur). The two calls must pick the same entries:
+    the suite asks a backend's top-k to be deterministic on equal inputs."""
     from dsv4.metadata import topk_local_to_global
 
     args, kwargs = run.steps[0]
     inputs = prepared.steps[0][0]
     block_size = prepared.check["block_size"]
-    table = inputs[5].clone()
-    table[:, 1::3] = -1
-    table = table[:, : max(1, table.shape[1] // 2)]
+    table = prepared.check["slots_block_table"]
     tol = tolerance_for("indexer_topk", "slots", prepared.case.profile)
     try:
-        slots, lens = backend.indexer_topk_slots(*args, table.to(args[5].device), compressed_block_size=block_size,
-                                                 **kwargs)
+        # a copy: the case's table must stay as generated for the conversion below
+        slots, lens = backend.indexer_topk_slots(*args, table.to(args[5].device, copy=True),
+                                                 compressed_block_size=block_size, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the metric's outcome
         return {"passed": False, "reason": f"indexer_topk_slots raised {type(exc).__name__}: {exc}"[:500],
                 "tolerance": tol.as_dict()}

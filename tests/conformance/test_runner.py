@@ -202,3 +202,35 @@ def test_a_wrong_fused_topk_slot_conversion_fails_the_slots_metric():
     assert by["slot-off"].metrics["slots"]["first_fail_where"] == [0, 0]
     topk = prepare(cases[0]).check["topk"]
     assert by["lens-off"].metrics["slots"]["first_fail_where"] == [0, topk]  # [slots | lens]: the lens column
+
+
+def test_the_slots_metric_runs_on_the_cases_own_holed_table():
+    """The table ``indexer_topk_slots`` gets is part of the case (``check["slots_block_table"]``): the key block
+    table with pages 1, 4, ... unallocated and cut to half its width, so that -1 slots occur both ways; the
+    backend gets it (a copy), and the case's stays as generated."""
+    from dsv4.metadata import topk_local_to_global
+
+    seen = []
+
+    class Records(ReferenceBackend):
+        name = "records"
+
+        def indexer_topk_slots(self, *args, **kwargs):
+            seen.append(args[6].clone())
+            args[6].fill_(7)  # a backend scribbling on its table changes nothing for the check
+            return super().indexer_topk_slots(*args[:6], seen[-1], **kwargs)
+
+    reg = Registry()
+    reg.register_backend(Records())
+    cases = _cases("indexer_topk", "deepseek and mixed")
+    (row,) = run_suite(["records"], cases, registry=reg, far=False).rows
+    prepared = prepare(cases[0])
+    key_table, table = prepared.steps[0][0][5], prepared.check["slots_block_table"]
+    assert row.outcome == "passed" and len(seen) == 1 and torch.equal(seen[0], table)
+    assert table.dtype == torch.int32 and table.shape == (key_table.shape[0], max(1, key_table.shape[1] // 2))
+    assert (table[:, 1::3] == -1).all() and torch.equal(table[:, 0::3], key_table[:, 0: table.shape[1]: 3])
+    local = ReferenceBackend().indexer_topk(*prepared.steps[0][0], **prepared.steps[0][1])
+    slots, _ = topk_local_to_global(local, prepared.steps[0][0][3], table, prepared.check["block_size"])
+    pages = local.long() // prepared.check["block_size"]
+    missing = (local >= 0) & (slots == -1)
+    assert (missing & (pages < table.shape[1])).any() and (missing & (pages >= table.shape[1])).any()
