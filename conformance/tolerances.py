@@ -12,7 +12,10 @@ tie-aware set rule (``kind == "topk"``, ``score_slack`` of the row's score range
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from dsv4.specs.numerics import NumericsProfile
 
 __all__ = ["E4M3_MANTISSA_BITS", "PROFILE_TOLERANCES", "TOLERANCES", "CacheElementRule", "Tolerance",
            "cache_element_rule", "tolerance_for"]
@@ -124,13 +127,14 @@ PROFILE_TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
 # 2s <= 2A/3; e4m3 per 128-vector, A >= 224s and the top step (256 -> 288) is 32s <= A/7; int8 per
 # 128-vector, A = 127s, one step s plus both sides' bf16 rounding of the product (2^-9 A each). A head
 # zeroed, or roped at the wrong position, is off by about A: it fails.
-def _indexer_q_step(profile: str) -> Tolerance:
-    from dsv4.specs.formats import get_format
+def _indexer_q_step(profile: str | NumericsProfile) -> Tolerance:
+    """indexer_q's ``q`` tolerance under ``profile``: blocks of its q rule's scale (SPEC §6.6, not the key
+    format's: equal in every SPEC profile, but q is what is compared)."""
+    from dsv4.specs.config import INDEX_HEAD_DIM
     from dsv4.specs.numerics import get_profile
 
     numerics = get_profile(profile)
-    key = get_format(numerics.indexer_key_format)  # the same quantization as q's (SPEC §6.6)
-    block = getattr(key, "quant_block", key.row_dim)  # mxfp4: per 32; fp8, int8: one scale per vector
+    block = numerics.indexer_q_block(INDEX_HEAD_DIM)  # fp4: per 32; fp8, int8: one scale per vector
     step = {"fp4": 2 / 3, "fp8": 1 / 7, "int8": 1 / 127 + 2.0 ** -8}[numerics.indexer_quant]
     return replace(TOLERANCES[("indexer_q", "q")], max_fail_of_block_amax=step, quant_block=block,
                    source=f"suite: quantized bf16, boundary flips on 0.5%, each within one {numerics.indexer_quant} "

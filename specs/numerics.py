@@ -10,9 +10,13 @@ from typing import Literal
 from dsv4.specs.errors import ConfigError
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["DEFAULT_PROFILE", "NumericsProfile", "get_profile", "profile_names"]
+__all__ = ["DEFAULT_PROFILE", "INDEXER_Q_SCALE_BLOCK", "NumericsProfile", "get_profile", "profile_names"]
 
 DEFAULT_PROFILE = "deepseek"
+
+# SPEC §6.6 indexer q rule: the elements one quantization scale of q covers, per ``indexer_quant``: e2m1 per 32;
+# fp8 (pow2 scale) and int8 (fp16 scale) one scale per q vector (None: the whole head vector).
+INDEXER_Q_SCALE_BLOCK: dict[str, int | None] = {"fp4": 32, "fp8": None, "int8": None}
 
 
 class NumericsProfile(BaseModel):
@@ -32,6 +36,11 @@ class NumericsProfile(BaseModel):
     attention_probs_bf16: bool
     returns_lse: bool
     output_fp8: bool
+
+    def indexer_q_block(self, head_dim: int) -> int:
+        """Elements of indexer q ``[..., head_dim]`` that one scale of the profile's q quantization covers
+        (SPEC §6.6, :data:`INDEXER_Q_SCALE_BLOCK`): the q rule's, whatever the key format's."""
+        return INDEXER_Q_SCALE_BLOCK[self.indexer_quant] or head_dim
 
 
 _PROFILES: dict[str, NumericsProfile] = {

@@ -13,13 +13,14 @@ import torch
 from dsv4.ops.validate import check_positions_range
 from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.numerics import INDEXER_Q_SCALE_BLOCK
 
 # SPEC §1: dims fixed by the kernels (these are dims, not byte counts).
 MAIN_HEAD_DIM = 512
 INDEXER_HEAD_DIM = 128
 COMPRESS_RATIOS = (4, 128)
-# SPEC §6.6: FP4 e2m1 simulation of indexer q uses blocks of 32.
-FP4_BLOCK = 32
+# SPEC §6.6: FP4 e2m1 simulation of indexer q uses blocks of 32 (the profile's q rule, specs.numerics).
+FP4_BLOCK = INDEXER_Q_SCALE_BLOCK["fp4"]
 # SPEC §8: FP8 output-projection activations, blocks of 128, amax floor 1e-10.
 OUTPUT_FP8_BLOCK = 128
 OUTPUT_FP8_AMAX_FLOOR = 1e-10

@@ -44,3 +44,23 @@ def test_one_step_passes_and_more_fails(profile):
 
     assert compare_tensor(moved(0.99), e, tol)["passed"] is True
     assert compare_tensor(moved(1.01), e, tol)["passed"] is False
+
+
+def test_the_quantization_block_is_the_q_rules_not_the_key_formats():
+    """The step cap's block is what one scale of the profile's q quantization covers (SPEC §6.6 q rule). Every
+    SPEC profile stores keys with the same block; a profile that quantizes q in fp4 (per 32) with fp8 keys (one
+    scale per 128-vector) gets the q block."""
+    from dsv4.conformance.tolerances import _indexer_q_step
+    from dsv4.specs.formats import get_format
+    from dsv4.specs.numerics import get_profile
+
+    for profile in PROFILES:
+        numerics, tol = get_profile(profile), tolerance_for("indexer_q", "q", profile)
+        key = get_format(numerics.indexer_key_format)
+        assert tol.quant_block == numerics.indexer_q_block(128) == getattr(key, "quant_block", key.row_dim)
+    mixed = get_profile("vllm").model_copy(update={"name": "fp4-q-fp8-keys", "indexer_quant": "fp4"})
+    assert get_format(mixed.indexer_key_format).row_dim == 128 and not hasattr(get_format("indexer_fp8"),
+                                                                                "quant_block")
+    tol = _indexer_q_step(mixed)
+    assert tol.quant_block == 32 and tol.max_fail_of_block_amax == 2 / 3
+    assert _indexer_q_step(get_profile("deepseek").model_copy(update={"indexer_quant": "fp8"})).quant_block == 128
