@@ -262,18 +262,24 @@ class PagedKVCache:
             raise DSV4TypeError.of("step", "a dsv4.Step returned by plan_step", type(step).__name__)
         if step.cache is not self:
             raise DSV4ValueError.of("step", "a step planned by this cache", "a step of another PagedKVCache")
-        if layer_id is not None and layer_id not in self.layers:
-            raise DSV4ValueError.of("layer_id", f"None (every layer) or one of {self.layer_ids}", layer_id)
-        layers = self._pending.get(step.serial)
-        if layers is None:
+        if layer_id is not None:
+            if layer_id not in self.layers:
+                raise DSV4ValueError.of("layer_id", f"None (every layer) or one of {self.layer_ids}", layer_id)
+            self._layer_ran(step.serial, layer_id)
             return
-        if layer_id is None:
+        layers = self._pending.get(step.serial)
+        if layers is not None:
             self.check_step(step)  # a step that can no longer run cannot have been written
-            layers.clear()
-        else:
-            layers.discard(layer_id)
-        if not layers:
             del self._pending[step.serial]
+
+    def _layer_ran(self, serial: int, layer_id: int) -> None:
+        """``mark_written`` of step ``serial`` by layer ``layer_id`` without the argument checks: for
+        ``Attention.forward``, which checked both before running (``check_step``, ``check_cache_matches``)."""
+        layers = self._pending.get(serial)
+        if layers is not None:
+            layers.discard(layer_id)
+            if not layers:
+                del self._pending[serial]
 
     # -- planning --------------------------------------------------------------------------------
 
