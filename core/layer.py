@@ -171,12 +171,11 @@ class Compressor(nn.Module):
         key = (*self._weights_key(), dtype)
         if getattr(self, "_fused_key", None) != key:
             wkv, wgate = self.wkv.weight, self.wgate.weight
-            with torch.no_grad():
-                fused = torch.cat([wkv, wgate], 0).to(dtype)
             if capturing_on(wkv.device):
-                return fused
+                with torch.no_grad():
+                    return torch.cat([wkv, wgate], 0).to(dtype)
             with torch.no_grad():
-                self._fused = _into(self.__dict__.get("_fused"), fused)
+                self._fused = _cat_into(self.__dict__.get("_fused"), wkv, wgate, dtype)
             self._fused_key = key
         return self._fused
 
@@ -190,10 +189,21 @@ def _path_switch_error() -> DSV4ValueError:
 
 def _into(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """``new``'s values in ``old`` where it has the same shape, dtype and device (graphs captured earlier
-    read ``old``), else ``new``."""
+    read ``old``), else ``new``. The bf16 twin's rebuild copies (``_cat_into`` would write once): its
+    exactness is decided on the new values before ``old`` may change, and a refused path switch
+    (``_keep_path``) must leave the copy captured graphs read as it was."""
     if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
         return old.copy_(new)
     return new
+
+
+def _cat_into(old: torch.Tensor | None, top: torch.Tensor, bottom: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[top; bottom]`` in ``dtype`` (top: [m, k], bottom: [n, k]), written straight into ``old`` where it is
+    ``[m + n, k]`` of ``dtype`` on their device (graphs captured earlier read ``old``), else a new tensor."""
+    shape = (top.shape[0] + bottom.shape[0], *top.shape[1:])
+    if old is not None and old.shape == shape and old.dtype == dtype and old.device == top.device:
+        return torch.cat([top, bottom], 0, out=old)
+    return torch.cat([top, bottom], 0).to(dtype)
 
 
 class Indexer(nn.Module):
