@@ -78,6 +78,15 @@ class Step:
     serial: int
 
 
+def _stale(step: Step, request_id: Hashable, happened: str) -> StaleStepError:
+    """The error of a stale ``step``: its request ``request_id`` was ``happened`` (freed, re-planned) since."""
+    return StaleStepError.of(
+        "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
+        f"a stale step: request {request_id!r} was {happened}",
+        hint="its slots may belong to another request now; plan a new step (a request of it that some "
+             "layer has not run must be freed and prefilled again)")
+
+
 class PagedKVCache:
     """Paged caches for ``layer_ids`` of a model (SPEC §9), with block allocation per request.
 
@@ -219,26 +228,31 @@ class PagedKVCache:
         still free, and the step can run for its other requests: an engine that aborts a request of an
         unfinished step re-runs the step for the rest).
 
-        O(1) when nothing was planned or freed since ``step``; O(requests) otherwise. Never consumes
-        the step: every layer runs it, and running it again is allowed."""
+        O(1) when nothing was planned or freed since ``step``; while ``step`` is the latest plan (only frees
+        since) up to its first request not freed; O(requests), one walk, otherwise. Never consumes the step:
+        every layer runs it, and running it again is allowed."""
         if step.serial == self._serial:
             return
-        epochs = [(r, self._epochs.get(r)) for r in step.metadata.request_ids]
-        stale = [(r, e) for r, e in epochs if e != step.serial]
-        if not stale:
+        # no plan since step: none of its requests was re-planned, and any free came after the latest plan
+        only_frees = step.serial == self._planned
+        freed = None  # its first request freed since
+        live = False  # a request of it not freed nor re-planned
+        for request_id in step.metadata.request_ids:
+            epoch = self._epochs.get(request_id)
+            if epoch == step.serial:
+                if only_frees:
+                    return  # a request left to run, and the freed pages still free
+                live = True
+            elif epoch is not None:
+                raise _stale(step, request_id, f"re-planned by step #{epoch}")
+            elif freed is None:
+                freed = request_id
+        if freed is None:
             return
-        replanned = next(((r, e) for r, e in stale if e is not None), None)
-        if replanned is None and len(stale) < len(epochs) and self._runnable_after_frees(step.serial):
+        runnable = self._runnable_after_frees(step.serial)
+        if live and runnable:
             return  # only frees since, none before the latest plan, and requests left to run
-        request_id, epoch = replanned or stale[0]
-        happened = "freed" if epoch is None else f"re-planned by step #{epoch}"
-        if epoch is None and not self._runnable_after_frees(step.serial):
-            happened += f", and step #{self._planned} planned since"
-        raise StaleStepError.of(
-            "step", f"the latest plan of each of its requests (step #{step.serial} is not)",
-            f"a stale step: request {request_id!r} was {happened}",
-            hint="its slots may belong to another request now; plan a new step (a request of it that some "
-                 "layer has not run must be freed and prefilled again)")
+        raise _stale(step, freed, "freed" if runnable else f"freed, and step #{self._planned} planned since")
 
     def _runnable_after_frees(self, serial: int) -> bool:
         """Step ``serial``'s freed requests (if any) were all freed after the latest plan: their pages are
@@ -262,18 +276,24 @@ class PagedKVCache:
             raise DSV4TypeError.of("step", "a dsv4.Step returned by plan_step", type(step).__name__)
         if step.cache is not self:
             raise DSV4ValueError.of("step", "a step planned by this cache", "a step of another PagedKVCache")
-        if layer_id is not None and layer_id not in self.layers:
-            raise DSV4ValueError.of("layer_id", f"None (every layer) or one of {self.layer_ids}", layer_id)
-        layers = self._pending.get(step.serial)
-        if layers is None:
+        if layer_id is not None:
+            if layer_id not in self.layers:
+                raise DSV4ValueError.of("layer_id", f"None (every layer) or one of {self.layer_ids}", layer_id)
+            self._layer_ran(step.serial, layer_id)
             return
-        if layer_id is None:
+        layers = self._pending.get(step.serial)
+        if layers is not None:
             self.check_step(step)  # a step that can no longer run cannot have been written
-            layers.clear()
-        else:
-            layers.discard(layer_id)
-        if not layers:
             del self._pending[step.serial]
+
+    def _layer_ran(self, serial: int, layer_id: int) -> None:
+        """``mark_written`` of step ``serial`` by layer ``layer_id`` without the argument checks: for
+        ``Attention.forward``, which checked both before running (``check_step``, ``check_cache_matches``)."""
+        layers = self._pending.get(serial)
+        if layers is not None:
+            layers.discard(layer_id)
+            if not layers:
+                del self._pending[serial]
 
     # -- planning --------------------------------------------------------------------------------
 

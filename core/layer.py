@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from dsv4 import batch_invariant, ops
 from dsv4.batch_invariant import linear
-from dsv4.cache import PagedKVCache, Step
+from dsv4.cache import LayerCache, PagedKVCache, Step
 from dsv4.layer_checks import (
     check_cache_matches,
     check_parameter_dtypes,
@@ -171,12 +171,11 @@ class Compressor(nn.Module):
         key = (*self._weights_key(), dtype)
         if getattr(self, "_fused_key", None) != key:
             wkv, wgate = self.wkv.weight, self.wgate.weight
-            with torch.no_grad():
-                fused = torch.cat([wkv, wgate], 0).to(dtype)
             if capturing_on(wkv.device):
-                return fused
+                with torch.no_grad():
+                    return torch.cat([wkv, wgate], 0).to(dtype)
             with torch.no_grad():
-                self._fused = _into(self.__dict__.get("_fused"), fused)
+                self._fused = _cat_into(self.__dict__.get("_fused"), wkv, wgate, dtype)
             self._fused_key = key
         return self._fused
 
@@ -190,10 +189,21 @@ def _path_switch_error() -> DSV4ValueError:
 
 def _into(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """``new``'s values in ``old`` where it has the same shape, dtype and device (graphs captured earlier
-    read ``old``), else ``new``."""
+    read ``old``), else ``new``. The bf16 twin's rebuild copies (``_cat_into`` would write once): its
+    exactness is decided on the new values before ``old`` may change, and a refused path switch
+    (``_keep_path``) must leave the copy captured graphs read as it was."""
     if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
         return old.copy_(new)
     return new
+
+
+def _cat_into(old: torch.Tensor | None, top: torch.Tensor, bottom: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[top; bottom]`` in ``dtype`` (top: [m, k], bottom: [n, k]), written straight into ``old`` where it is
+    ``[m + n, k]`` of ``dtype`` on their device (graphs captured earlier read ``old``), else a new tensor."""
+    shape = (top.shape[0] + bottom.shape[0], *top.shape[1:])
+    if old is not None and old.shape == shape and old.dtype == dtype and old.device == top.device:
+        return torch.cat([top, bottom], 0, out=old)
+    return torch.cat([top, bottom], 0).to(dtype)
 
 
 class Indexer(nn.Module):
@@ -320,9 +330,10 @@ class Attention(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def _check(self, x: torch.Tensor, step: Step, cache: PagedKVCache, attends: bool,
-               capturing: bool) -> DirectOps | ModuleType:
+               capturing: bool) -> tuple[DirectOps | ModuleType, LayerCache]:
         """Everything that can reject the call, before the first cache write (SPEC §12). Returns what runs
-        the ops: ``dsv4.ops``, or the selected backends called directly (``dsv4.layer_dispatch``)."""
+        the ops (``dsv4.ops``, or the selected backends called directly: ``dsv4.layer_dispatch``) and this
+        layer's storage in the cache."""
         md = step.metadata
         if not isinstance(x, torch.Tensor):
             raise DSV4TypeError.of("x", "a torch.Tensor [T, hidden]", type(x).__name__)
@@ -335,7 +346,7 @@ class Attention(nn.Module):
         if x.device != cache.device:
             raise DSV4ValueError.of("x", f"device {cache.device} (the cache's)", x.device)
         check_parameter_dtypes(self, x)
-        check_cache_matches(self, cache)
+        lc = check_cache_matches(self, cache)
         check = x.device.type == "cpu" if self.check_finite is None else self.check_finite
         if check and not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf (a sync on GPUs)
             bad = (~torch.isfinite(x)).any(-1).nonzero().flatten()
@@ -345,7 +356,7 @@ class Attention(nn.Module):
                                     hint="nothing was written; run the step again with finite rows (zeros for "
                                          "a request you will free), or free its requests")
         direct = resolve_backends(self, x, step, attends, capturing)
-        return direct if direct_calls(x) else ops
+        return (direct if direct_calls(x) else ops), lc
 
     def _side_streams(self, x: torch.Tensor) -> tuple | None:
         """Two CUDA streams (compressor, indexer) for ``x``'s device, or None (CPU, or switched off)."""
@@ -356,10 +367,10 @@ class Attention(nn.Module):
             self._streams[x.device] = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
         return self._streams[x.device]
 
-    def _indexer(self, calls: DirectOps | ModuleType, x: torch.Tensor, qr: torch.Tensor, step: Step, lo: int,
-                 hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _indexer(self, calls: DirectOps | ModuleType, x: torch.Tensor, qr: torch.Tensor, step: Step,
+                 lc: LayerCache, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6)."""
-        cfg, md, lc, be, idx = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends, self.indexer
+        cfg, md, be, idx = self.cfg, step.metadata, self.backends, self.indexer
         rm = md.ratios[self.kind.ratio]
         key_format = step.cache.indexer_key_format
         calls.compress_insert(
@@ -404,7 +415,7 @@ class Attention(nn.Module):
             cache.mark_unwritten(step, self.layer_id)
             raise
         if not capturing:  # a capture runs no kernel: the caller marks the step after a replay
-            cache.mark_written(step, self.layer_id)
+            cache._layer_ran(step.serial, self.layer_id)  # mark_written, its arguments checked above
         return out
 
     def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None,
@@ -417,7 +428,7 @@ class Attention(nn.Module):
             hi = max(lo, hi)
         else:
             raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
-        calls = self._check(x, step, cache, hi > lo, capturing)
+        calls, lc = self._check(x, step, cache, hi > lo, capturing)
         if capturing:
             if not self.__dict__.get("_positions_reserved"):
                 raise DSV4ValueError.of(
@@ -428,7 +439,7 @@ class Attention(nn.Module):
                 if module is not None:  # graphs now hold its derived copy: see Compressor._keep_path
                     module._captured = True
         self._grow_rope(step.metadata.max_seq_len)
-        cfg, md, lc, be = self.cfg, step.metadata, step.cache.layer(self.layer_id), self.backends
+        cfg, md, be = self.cfg, step.metadata, self.backends
         kv_format = step.cache.kv_format
         H, D = cfg.num_attention_heads, cfg.head_dim
         qr = self.q_norm(self.wq_a(x))
@@ -456,7 +467,7 @@ class Attention(nn.Module):
                     extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
                 else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                     with _on(streams, 1):
-                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lo, hi)
+                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lc, lo, hi)
 
             # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
             # for all T tokens; only the rows' q is read below.

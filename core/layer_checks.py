@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from dsv4.backend import Backend
-from dsv4.cache import PagedKVCache, Step
+from dsv4.cache import LayerCache, PagedKVCache, Step
 from dsv4.registry import get_registry
 from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 
@@ -60,15 +60,16 @@ def check_step(step: object) -> PagedKVCache:
     return step.cache
 
 
-def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
+def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
     """The cache was built for a config that agrees with the layer's: profile, layer kind, window, and for a
-    CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's)."""
+    CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's). Returns the layer's
+    storage: the forward's one look-up of its layer id in the cache."""
     cache.check_profile(attn.profile)
-    if attn.layer_id not in cache.layers:
+    lc = cache.layers.get(attn.layer_id)
+    if lc is None:
         raise DSV4ValueError.of("step", f"a step of a cache serving layer {attn.layer_id} (this layer)",
                                 f"a step of a cache serving layers {cache.layer_ids}",
                                 hint="build the PagedKVCache with every layer id that runs its steps")
-    lc = cache.layer(attn.layer_id)
     if lc.kind != attn.kind:
         raise CacheLayoutError.of(
             f"step.cache layer {attn.layer_id}",
@@ -81,6 +82,7 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> None:
     if attn.indexer is not None and cache.cfg.index_topk != attn.cfg.index_topk:  # sizes RatioMetadata.topk_lens
         raise CacheLayoutError.of("step.cache index_topk", f"{attn.cfg.index_topk} (the layer's config)",
                                   cache.cfg.index_topk, hint="build the cache and the layer from the same ModelConfig")
+    return lc
 
 
 def _fp32_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor]]:

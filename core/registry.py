@@ -254,10 +254,7 @@ class Registry:
         added: list[str] = []
 
         def register(backend: Backend) -> None:
-            _check_instance(backend)
-            if not status.builtin:
-                self._refuse_foreign(backend, status)
-            self._add(backend, origin=status.name)
+            self._add(backend, origin=status.name, foreign=None if status.builtin else status)
             added.append(backend.name)
 
         try:
@@ -310,9 +307,13 @@ class Registry:
         """Add one backend without a plugin (tests, embedding engines)."""
         self._add(backend, origin=origin)
 
-    def _add(self, backend: Backend, *, origin: str) -> None:
+    def _add(self, backend: Backend, *, origin: str, foreign: PluginStatus | None = None) -> None:
+        """Check ``backend`` once (an instance with a name; a foreign plugin's refusals, else a free name) and
+        add it."""
         _check_instance(backend)
-        if backend.name in self._backends:
+        if foreign is not None:
+            self._refuse_foreign(backend, foreign)
+        elif backend.name in self._backends:
             raise BackendUnavailableError.of(
                 "backend.name", "a name not registered yet", backend.name,
                 hint=f"already registered by plugin {self._origin[backend.name]}")

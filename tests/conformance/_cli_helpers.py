@@ -14,12 +14,9 @@ def one_line_error(capsys, *words: str) -> str:
 
 def cli_registry(monkeypatch, *backends):
     """A registry of ``backends`` (plus the reference) that the CLI uses instead of the installed one."""
-    from dsv4.backends.reference import ReferenceBackend
+    from _wrong_backends import registry_of
     from dsv4.conformance import cli
-    from dsv4.registry import Registry
 
-    registry = Registry()
-    for backend in (ReferenceBackend(), *backends):
-        registry.register_backend(backend)
+    registry = registry_of(*backends)
     monkeypatch.setattr(cli, "_registry", lambda: registry)
     return registry

@@ -2,7 +2,18 @@
 from __future__ import annotations
 
 import torch
+from dsv4.backend import Backend
 from dsv4.backends.reference import ReferenceBackend
+from dsv4.registry import Registry
+
+
+def registry_of(*backends: Backend, reference: bool = True) -> Registry:
+    """A registry of a fresh ``ReferenceBackend`` (unless ``reference=False``) and ``backends``, in that
+    order; no plugin loaded."""
+    registry = Registry()
+    for backend in ((ReferenceBackend(),) if reference else ()) + backends:
+        registry.register_backend(backend)
+    return registry
 
 
 class AfterSwaWrite(ReferenceBackend):

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _wrong_backends import AfterSwaWrite, StrayWrite
-from dsv4.backends.reference import ReferenceBackend
+from _wrong_backends import AfterSwaWrite, StrayWrite, registry_of
 from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.metrics import compare_cache
 from dsv4.conformance.runner import run_suite
 from dsv4.conformance.tolerances import tolerance_for
-from dsv4.registry import Registry
 from dsv4.specs.formats import get_format
 
 TOL = tolerance_for("qnorm_rope_insert", "swa_cache")
@@ -57,9 +55,7 @@ class PaddingWritten(AfterSwaWrite):
 
 
 def _run(backend, keyword):
-    reg = Registry()
-    reg.register_backend(ReferenceBackend())
-    reg.register_backend(backend)
+    reg = registry_of(backend)
     cases = select_cases(default_cases(), ["qnorm_rope_insert"], keyword)
     return run_suite([backend.name], cases, registry=reg, far=False).rows
 

@@ -3,21 +3,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _wrong_backends import ReadsPastLens, SinkPerHeadTile
+from _wrong_backends import ReadsPastLens, SinkPerHeadTile, registry_of
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.codecs import get_codec
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.runner import run_suite
-from dsv4.registry import Registry
 
 SPARSE_CASES = select_cases(default_cases(), ["sparse_attention"])
 EXTRA_CASES = select_cases(SPARSE_CASES, keyword="not swa")
 
 
 def _run(backend, cases):
-    reg = Registry()
-    reg.register_backend(ReferenceBackend())
-    reg.register_backend(backend)
+    reg = registry_of(backend)
     return run_suite([backend.name], cases, registry=reg, far=False).rows
 
 
@@ -50,9 +47,7 @@ def test_every_extra_list_has_a_hole_inside_its_lens():
 
 
 def test_a_hole_read_as_slot_0_fails():
-    reg = Registry()
-    reg.register_backend(ReferenceBackend())
-    reg.register_backend(ExtraHoleAsSlot0())
+    reg = registry_of(ExtraHoleAsSlot0())
     cases = select_cases(EXTRA_CASES, keyword="deepseek")
     rows = run_suite(["extra-hole-as-slot0"], cases, registry=reg, far=False).rows
     assert len(rows) == len(cases) >= 4 and all(r.outcome == "failed" for r in rows), [(r.case, r.outcome) for r in rows]

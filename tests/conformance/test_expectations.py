@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
+from _wrong_backends import registry_of
 from dsv4.backend import ExpectedFailure
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, select_cases
 from dsv4.conformance.report import build_report
 from dsv4.conformance.runner import run_suite
-from dsv4.registry import Registry
 
 pytest_plugins = ["pytester"]
 
@@ -54,10 +54,7 @@ class Unbounded(_Listed):
 
 
 def _registry():
-    reg = Registry()
-    for backend in (ReferenceBackend(), Crashes(), Zeros(), Slightly(), Unbounded()):
-        reg.register_backend(backend)
-    return reg
+    return registry_of(Crashes(), Zeros(), Slightly(), Unbounded())
 
 
 @pytest.fixture(scope="module")

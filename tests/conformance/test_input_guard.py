@@ -3,13 +3,13 @@ check reads what the backend left in its arguments."""
 from __future__ import annotations
 
 import torch
+from _wrong_backends import registry_of
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.golden import GoldenStore
 from dsv4.conformance.input_guard import InputGuard
 from dsv4.conformance.placement import place_far
 from dsv4.conformance.runner import run_case, run_differential
-from dsv4.registry import Registry
 
 
 class PositionsZeroed(ReferenceBackend):
@@ -70,9 +70,7 @@ def test_multi_step_inputs_are_named_with_their_step_and_differential_mode_guard
     case = _case("compress_insert", "deepseek and hca")
     row = run_case(ApeScaled(), case, torch.device("cpu"), GoldenStore(), far=False)
     assert row.outcome == "failed" and row.metrics["inputs"]["modified"] == ["ape (step 0)"]
-    reg = Registry()
-    for backend in (ReferenceBackend(), ApeScaled()):
-        reg.register_backend(backend)
+    reg = registry_of(ApeScaled())
     diff = run_differential("reference", "ape-scaled", [case], seed=1, registry=reg, far=False)
     assert diff.rows[0].metrics["inputs"]["modified"] == ["ape (step 0)"]
     flipped = run_differential("ape-scaled", "reference", [case], seed=1, registry=reg, far=False)

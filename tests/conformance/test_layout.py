@@ -6,34 +6,26 @@ from typing import ClassVar
 
 import pytest
 import torch
-from _wrong_backends import HeadMajorOut
+from _wrong_backends import HeadMajorOut, registry_of
 from dsv4.backend import OP_NAMES
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, prepare, private_copy, select_cases
 from dsv4.conformance.layout import layout_problems, promised_outputs
 from dsv4.conformance.runner import run_differential, run_suite
-from dsv4.registry import Registry
 
 _FIRST = {c.op: c for c in reversed(default_cases()) if c.variant != "wide"}
 
 
-def _registry(*backends):
-    reg = Registry()
-    for backend in (ReferenceBackend(), *backends):
-        reg.register_backend(backend)
-    return reg
-
-
 def test_a_head_major_out_fails_the_layout_metric_by_name():
     cases = select_cases(default_cases(), ["sparse_attention"], "csa and vllm and decode and fp8_ds_mla")
-    (row,) = run_suite(["head-major-out"], cases[:1], registry=_registry(HeadMajorOut()), far=False).rows
+    (row,) = run_suite(["head-major-out"], cases[:1], registry=registry_of(HeadMajorOut()), far=False).rows
     assert row.outcome == "failed" and row.metrics["out"]["passed"] is True  # the values are right
     reason = row.metrics["layout"]["reason"]
     assert reason.startswith("out: strides (512, 1536, 1), the fake kernel promises (4096, 512, 1) "
                              "(contiguous (3, 8, 512))"), reason
     assert "lse" not in reason and "torch.compile" in reason
     assert row.summary().startswith("sparse_attention.layout: out: strides")
-    diff = run_differential("reference", "head-major-out", cases[:1], seed=3, registry=_registry(HeadMajorOut()),
+    diff = run_differential("reference", "head-major-out", cases[:1], seed=3, registry=registry_of(HeadMajorOut()),
                             far=False)
     assert diff.rows[0].outcome == "failed" and diff.rows[0].metrics["layout"]["passed"] is False
 
@@ -44,7 +36,7 @@ def test_a_layout_failure_is_never_an_expected_failure():
         expected_failures: ClassVar = {"sparse_attention/*": "known"}
 
     cases = select_cases(default_cases(), ["sparse_attention"], "hca and vllm and decode")
-    (row,) = run_suite(["listed-head-major"], cases[:1], registry=_registry(Listed()), far=False).rows
+    (row,) = run_suite(["listed-head-major"], cases[:1], registry=registry_of(Listed()), far=False).rows
     assert row.outcome == "failed" and row.expectation is None and row.counts_as_failure
     assert "layout" in row.metrics["expectation"]["reason"]
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _wrong_backends import registry_of
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, execute, inputs_sha256, prepare, select_cases
 from dsv4.conformance.golden import GoldenStore
 from dsv4.conformance.placement import FAR_MIN_BYTES, CachePages, far_pad_blocks, place_far
 from dsv4.conformance.runner import run_case, run_suite
-from dsv4.registry import Registry
 
 PAGED_OPS = ("qnorm_rope_insert", "compress_insert", "indexer_topk", "sparse_attention")
 
@@ -108,8 +108,7 @@ class HighBitsLost(ReferenceBackend):
 
 
 def test_the_far_run_fails_a_backend_that_drops_high_address_bits():
-    registry = Registry()
-    registry.register_backend(HighBitsLost())
+    registry = registry_of(HighBitsLost(), reference=False)
     cases = select_cases(default_cases(), ["sparse_attention", "qnorm_rope_insert"], "vllm and fp8_ds_mla")
     result = run_suite(["high-bits-lost"], cases, registry=registry)
     for row in result.rows:
@@ -194,9 +193,7 @@ def test_one_index_tensor_for_two_caches_is_refused():
 def test_differential_mode_places_b_far():
     from dsv4.conformance.runner import run_differential
 
-    registry = Registry()
-    registry.register_backend(ReferenceBackend())
-    registry.register_backend(HighBitsLost())
+    registry = registry_of(HighBitsLost())
     cases = select_cases(default_cases(), ["sparse_attention"], "vllm and fp8_ds_mla and decode")
     result = run_differential("reference", "high-bits-lost", cases, seed=3, registry=registry)
     for row in result.rows:
@@ -351,8 +348,7 @@ def test_a_smaller_pad_places_pages_past_its_gib_and_catches_byte_offsets(gib):
     cache = prepared.steps[0][0][1]
     page_bytes = cache[0].numel() * cache.element_size()
     assert far.leading[1] * page_bytes >= (gib << 30) and far.leading[1] == far_pad_blocks(cache, gib)
-    registry = Registry()
-    registry.register_backend(HighBitsLost())
+    registry = registry_of(HighBitsLost(), reference=False)
     row = run_suite(["high-bits-lost"], [case], registry=registry, far_gib=gib).rows[0]
     assert row.outcome == "failed" and f"pages past {gib} GiB" in row.summary()
     with pytest.raises(ValueError, match="one of"):

@@ -42,11 +42,10 @@ def test_a_backend_whose_plugin_failed_is_a_usage_error_with_the_reason(pytester
     import types
 
     import dsv4.registry
-    from dsv4.backends.reference import ReferenceBackend
+    from _wrong_backends import registry_of
     from dsv4.hookspecs import hookimpl
 
-    registry = dsv4.registry.Registry()
-    registry.register_backend(ReferenceBackend())
+    registry = registry_of()
     plugin = types.ModuleType("vendorx_plugin")
     plugin.dsv4_register_backends = hookimpl(lambda register: (_ for _ in ()).throw(ImportError("no libvendorx")))
     registry.load_plugin(plugin, "vendorx", strict=False)

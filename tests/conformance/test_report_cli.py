@@ -10,12 +10,12 @@ from pathlib import Path
 import jsonschema
 import junitparser
 import pytest
+from _wrong_backends import registry_of
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, select_cases
 from dsv4.conformance.cli import main
 from dsv4.conformance.report import build_report, junit_xml, validate_report
 from dsv4.conformance.runner import run_suite
-from dsv4.registry import Registry
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fixtures"))
 import plugin_env
@@ -32,9 +32,7 @@ class SinkFlipped(ReferenceBackend):
 
 @pytest.fixture(scope="module")
 def report():
-    registry = Registry()
-    registry.register_backend(ReferenceBackend())
-    registry.register_backend(SinkFlipped())
+    registry = registry_of(SinkFlipped())
     cases = select_cases(default_cases(), ["sparse_attention", "indexer_topk"], "vllm and decode or vllm and mixed")
     return build_report(run_suite(["reference", "sink-flipped"], cases, registry=registry))
 

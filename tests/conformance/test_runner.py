@@ -5,12 +5,11 @@ from typing import ClassVar
 
 import pytest
 import torch
-from _wrong_backends import AfterSwaWrite
+from _wrong_backends import AfterSwaWrite, registry_of
 from dsv4.backend import Capabilities
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.conformance.cases import default_cases, prepare, select_cases
 from dsv4.conformance.runner import run_differential, run_suite, unmatched_expected_failures
-from dsv4.registry import Registry
 
 
 class SinkFlipped(ReferenceBackend):
@@ -45,10 +44,7 @@ class NoLse(ReferenceBackend):
 
 @pytest.fixture
 def registry():
-    reg = Registry()
-    for backend in (ReferenceBackend(), SinkFlipped(), ScaleByteOff(), NoLse()):
-        reg.register_backend(backend)
-    return reg
+    return registry_of(SinkFlipped(), ScaleByteOff(), NoLse())
 
 
 def _cases(op, keyword=None):
@@ -90,8 +86,7 @@ def test_reference_passes_everything_and_unsupported_is_reported(registry):
 def test_unavailable_backend_is_skipped_with_its_probe(registry):
     gone = ReferenceBackend()
     gone.probe = lambda: ["needs sm_100, found cpu"]
-    reg = Registry()
-    reg.register_backend(gone)
+    reg = registry_of(gone, reference=False)
     result = run_suite(["reference"], _cases("indexer_q"), registry=reg)
     assert {r.outcome for r in result.rows} == {"skipped"} and result.rows[0].reasons == ["needs sm_100, found cpu"]
 
@@ -137,8 +132,7 @@ def test_expected_failure_entries():
         expected_failures: ClassVar = {"indexer_q/*/vllm/*": "known", "nothing/matches/*": "stale"}
 
     assert unmatched_expected_failures(Listed(), default_cases()) == ["nothing/matches/*"]
-    reg = Registry()
-    reg.register_backend(Listed())
+    reg = registry_of(Listed(), reference=False)
     with pytest.warns(UserWarning, match="'nothing/matches/\\*' matches no conformance case"):
         result = run_suite(["listed"], _cases("indexer_q", "vllm"), registry=reg)
     assert result.rows[0].expected_failure == "known"
@@ -190,9 +184,7 @@ def test_a_wrong_fused_topk_slot_conversion_fails_the_slots_metric():
             slots, lens = super().indexer_topk_slots(*args, **kwargs)
             return slots, lens + 1
 
-    reg = Registry()
-    for backend in (ReferenceBackend(), SlotOff(), LensOff()):
-        reg.register_backend(backend)
+    reg = registry_of(SlotOff(), LensOff())
     cases = _cases("indexer_topk", "deepseek and mixed")
     result = run_suite(["reference", "slot-off", "lens-off"], cases, registry=reg, far=False)
     by = {r.backend: r for r in result.rows}

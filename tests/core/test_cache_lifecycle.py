@@ -306,6 +306,82 @@ def test_a_request_freed_after_the_latest_plan_leaves_its_step_runnable():
         cache.check_step(alone)
 
 
+class _CountingEpochs(dict):
+    """A cache's request -> latest-plan map that counts ``get`` calls (check_step's walk)."""
+
+    gets = 0
+
+    def get(self, key, default=None):
+        type(self).gets += 1
+        return super().get(key, default)
+
+
+def test_check_step_after_a_free_reads_up_to_the_first_request_left(monkeypatch):
+    """Between a free and the next plan every layer's forward checks the step: while it is the latest plan, the
+    walk stops at its first request not freed (it built and filtered a list of all 64). After a plan of other
+    requests it walks them once; a re-planned request is named before a freed one that comes earlier."""
+    cache = PlannedOnly(CFG, [0], num_blocks=256)
+    step = cache.plan_step([StepRequest(f"r{i}", 2) for i in range(64)])
+    cache._epochs = _CountingEpochs(cache._epochs)
+    cache.free("r0")
+    monkeypatch.setattr(_CountingEpochs, "gets", 0)
+    cache.check_step(step)
+    assert _CountingEpochs.gets == 2  # r0 (freed), r1 (left to run)
+    later = cache.plan_step([StepRequest(f"s{i}", 2) for i in range(64)])
+    cache.plan_step([StepRequest("other", 2)])
+    cache.free("s63")
+    monkeypatch.setattr(_CountingEpochs, "gets", 0)
+    cache.check_step(later)  # s63 freed after the latest plan: still runnable, found in one walk
+    assert _CountingEpochs.gets == 64
+    with pytest.raises(StaleStepError, match=r"request 'r0' was freed, and step #\d+ planned since"):
+        cache.check_step(step)  # r0's pages may be another request's now
+    assert _CountingEpochs.gets == 64 + 64
+    two = cache.plan_step([StepRequest("a", 2), StepRequest("b", 2)])
+    cache.free("a")
+    cache.plan_step([StepRequest("b", 1)])
+    with pytest.raises(StaleStepError, match=r"request 'b' was re-planned by step #\d+"):
+        cache.check_step(two)
+
+
+def _stale_by_rule(cache: PagedKVCache, step) -> str | None:
+    """check_step's rule written out (its two-walk form): None when ``step`` may run, else the request the
+    error names and what happened to it."""
+    epochs = [(r, cache._epochs.get(r)) for r in step.metadata.request_ids]
+    stale = [(r, e) for r, e in epochs if e != step.serial]
+    record = cache._freed.get(step.serial)
+    runnable = record is None or record[1] > cache._planned
+    if not stale:
+        return None
+    replanned = next(((r, e) for r, e in stale if e is not None), None)
+    if replanned is not None:
+        return f"{replanned[0]!r} was re-planned by step #{replanned[1]}"
+    if len(stale) < len(epochs) and runnable:
+        return None
+    return f"{stale[0][0]!r} was freed" + ("" if runnable else f", and step #{cache._planned} planned since")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_check_step_follows_the_rule_under_random_plans_and_frees(seed):
+    rng = random.Random(seed)
+    cache = PlannedOnly(CFG, [0], num_blocks=512)
+    steps, names = [], [f"q{i}" for i in range(12)]
+    for _ in range(200):
+        known = sorted(cache.seq_lens)
+        if known and rng.random() < 0.35:
+            cache.free(rng.choice(known))
+        else:
+            ids = rng.sample(names, rng.randint(1, 6))
+            steps.append(cache.plan_step([StepRequest(r, 1) for r in ids]))
+        for step in steps[-6:]:
+            expected = _stale_by_rule(cache, step)
+            if expected is None:
+                cache.check_step(step)
+            else:
+                with pytest.raises(StaleStepError) as info:
+                    cache.check_step(step)
+                assert f"request {expected};" in str(info.value), (str(info.value), expected)
+
+
 def test_mark_written_refuses_what_it_cannot_mark():
     """A step of another cache, a layer the cache lacks or a non-Step would otherwise be a silent no-op (the
     engine then meets a "still to run" refusal later) or a bare AttributeError."""

@@ -227,10 +227,11 @@ def test_layers_of_a_step_hand_attention_the_steps_own_tensors():
 
 @pytest.mark.parametrize("layer_id", [1, 2])
 @torch.no_grad()
-def test_weights_written_through_data_are_used_after_refresh_weights(layer_id):
+def test_weights_written_through_data_are_used_after_refresh_weights(layer_id, monkeypatch):
     """vLLM's default weight loader writes ``param.data.copy_(w)``, which bumps no version counter: the
     compressor's derived [Wkv; Wgate] copy is stale until ``refresh_weights()``, which rebuilds it in place
-    (the same storage, which CUDA graphs captured earlier read). A no_grad ``copy_`` is seen without it."""
+    (the same storage, which CUDA graphs captured earlier read), concatenating straight into it (no copy of
+    a fresh concatenation). A no_grad ``copy_`` is seen without it."""
     x = tiny_x(300, seed=3)
     fresh = _run(tiny_layer(layer_id, seed=1), x, [300])
     attn = tiny_layer(layer_id, seed=0)
@@ -240,7 +241,12 @@ def test_weights_written_through_data_are_used_after_refresh_weights(layer_id):
     for mine, theirs in zip(attn.parameters(), tiny_layer(layer_id, seed=1).parameters()):
         mine.data.copy_(theirs.data)
     assert not torch.equal(_run(attn, x, [300]), fresh)  # the stale copy: why refresh_weights exists
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: (copies.append(t.shape), real_copy(t, *a, **k))[1])
     attn.refresh_weights()
+    monkeypatch.undo()
+    assert copies == []
     assert torch.equal(_run(attn, x, [300]), fresh)
     assert [m._fused.data_ptr() for m in (attn.compressor, attn.indexer and attn.indexer.compressor)
             if m is not None] == pointers

@@ -148,6 +148,38 @@ def test_a_step_of_a_cache_without_the_layer_names_the_step():
     assert same_bytes(before, snapshot(cache))
 
 
+class _CountingLayers(dict):
+    """A cache's ``layers`` dict that counts look-ups of a layer id (``in``, ``[]``, ``get``)."""
+
+    lookups = 0
+
+    def __contains__(self, key):
+        type(self).lookups += 1
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        type(self).lookups += 1
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        type(self).lookups += 1
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("layer_id", [0, 1, 2])
+@torch.no_grad()
+def test_a_forward_looks_its_layer_id_up_in_the_cache_once(layer_id, monkeypatch):
+    """The membership check (the error naming ``step``) also finds the layer's storage; the forward and its
+    ``mark_written`` do not look it up again (they did three to five times)."""
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=16)
+    cache.layers = _CountingLayers(cache.layers)
+    step = cache.plan_step([StepRequest("r", 8)])
+    monkeypatch.setattr(_CountingLayers, "lookups", 0)
+    tiny_layer(layer_id)(tiny_x(8), step)
+    assert _CountingLayers.lookups == 1
+    assert cache._pending[step.serial] == {0, 1, 2} - {layer_id}  # still marked written by this layer
+
+
 def test_non_tensor_input_is_a_named_error():
     attn = tiny_layer(0)
     cache = PagedKVCache(CFG, [0], num_blocks=16)

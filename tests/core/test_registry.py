@@ -145,6 +145,48 @@ def test_duplicate_name_fails_the_second_plugin():
     assert "backend name vendor is already registered by plugin <direct>; plugin dup may not" in status.error
 
 
+class _CountingDict(dict):
+    """A dict that counts membership tests (the registry's name checks)."""
+
+    contains = 0
+
+    def __contains__(self, key):
+        type(self).contains += 1
+        return super().__contains__(key)
+
+
+def test_each_backend_is_checked_once_per_registration(monkeypatch):
+    """A plugin's backend and a direct one each pass ``_check_instance`` and the name check once (the plugin
+    path ran both twice)."""
+    checked = []
+    original = registry_module._check_instance
+    monkeypatch.setattr(registry_module, "_check_instance", lambda b: (checked.append(b.name), original(b)))
+    registry = Registry()
+    registry._backends = _CountingDict()
+    monkeypatch.setattr(_CountingDict, "contains", 0)
+    status = registry.load_plugin(_plugin(_backend("one", ops=frozenset()), _backend("two", ops=frozenset())),
+                                  "acme", strict=False)
+    assert status.state == "loaded" and status.backends == ["one", "two"]
+    assert checked == ["one", "two"] and _CountingDict.contains == 2
+    registry.register_backend(_backend("three", ops=frozenset()))
+    assert checked == ["one", "two", "three"] and _CountingDict.contains == 3
+
+
+def test_what_is_not_a_named_backend_instance_or_a_taken_name_is_refused_by_both_paths():
+    """The messages of the instance and name checks, through a plugin and directly."""
+    named = _backend("", ops=frozenset())
+    for bad, expected in ((type(named), "expected a dsv4.backend.Backend instance"), (object(), "Backend instance"),
+                          (named, "backend.name: expected a non-empty name")):
+        with pytest.raises(BackendUnavailableError, match=expected):
+            Registry().register_backend(bad)
+        status = Registry().load_plugin(_plugin(bad), "acme", strict=False)
+        assert status.state == "failed" and expected in status.error, status.error
+    registry = Registry()
+    registry.load_plugin(_plugin(_backend("vendor", ops=frozenset())), "acme", strict=False)
+    with pytest.raises(BackendUnavailableError, match="expected a name not registered yet, got vendor.*by plugin acme"):
+        registry.register_backend(_backend("vendor", ops=frozenset()))
+
+
 def test_a_foreign_plugin_may_not_take_a_built_in_name_even_before_the_built_in_loads():
     """``reference`` belongs to the built-in plugins whatever the order: the plugin is refused whole, in one line."""
     registry = Registry()
