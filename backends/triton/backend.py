@@ -48,15 +48,6 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()  # common case first
 
 
-def _packed_heads(t: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] ``t`` with each token's heads packed (strides (*, D, 1)), else a contiguous copy. Kernels
-    address a head as ``head * stride(1)`` in int32: a head-major layout (``x[H, T, D].transpose(0, 1)``,
-    stride(1) = T*D) overflows it once (H-1)*T*D >= 2**31. The token stride may be anything (int64 there)."""
-    if t.is_contiguous() or (t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == t.shape[2])):
-        return t
-    return t.contiguous()
-
-
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -132,7 +123,7 @@ class TritonBackend(Backend):
         _check_shape("swa_slot_mapping", swa_slot_mapping, (num_tokens,))
         _check_rows("q", q)
         _check_rows("kv", kv)
-        return kernels.qnorm_rope_insert(_packed_heads(q), kv, _unit_stride(positions), cos_sin, swa_cache, layout,
+        return kernels.qnorm_rope_insert(q, kv, _unit_stride(positions), cos_sin, swa_cache, layout,
                                          _unit_stride(swa_slot_mapping), eps=float(eps),
                                          deepseek_qnorm=get_profile(profile).name == "deepseek")
 
@@ -283,7 +274,7 @@ class TritonBackend(Backend):
         _check_dtype("sink", sink, torch.float32)
         _check_shape("sink", sink, (heads,))
         numerics = get_profile(profile)
-        return kernels.sparse_attention(_packed_heads(q), swa_cache, swa_layout, swa_indices, _unit_stride(swa_lens),
+        return kernels.sparse_attention(q, swa_cache, swa_layout, swa_indices, _unit_stride(swa_lens),
                                         extra_cache, extra_layout, extra_indices, _unit_stride(extra_lens),
                                         sink.contiguous(),
                                         softmax_scale=float(softmax_scale),
@@ -312,7 +303,7 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("wo_a", f"a first dim divisible by G={groups}", list(wo_a.shape))
         _check_shape("wo_b", wo_b, (None, wo_a.shape[0]))
         fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
-        return kernels.output_projection(_packed_heads(o), _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
+        return kernels.output_projection(o, _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
                                          fp8_activations=bool(fp8_activations),
                                          rope_dim=ROPE_DIM, fp8_block=fp8_block)
 

@@ -3,7 +3,7 @@
 Kernels read a [T] index tensor as ``ptr + t`` and a block-table row as ``ptr + row * stride(0) + page``,
 so a strided view must reach them copied. Each test runs one op twice, on strided views and on
 contiguous copies of the same values, and wants the same bytes out (outputs and caches). Then
-head-major q / o, and cos_sin tables of another width than the rope dims (refused, nothing written).
+head-major q / o (read in place), and cos_sin tables of another width than the rope dims (refused, nothing written).
 """
 from __future__ import annotations
 
@@ -166,9 +166,9 @@ def test_output_projection_strided_positions() -> None:
 
 
 # -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
-# Kernels address a head as head * stride(1) in int32, which overflows for such a layout once
-# (H-1)*T*512 >= 2**31 (a GPU-sized tensor); here: the launcher must get packed heads, outputs must come
-# out contiguous, and the values must be those of the contiguous call.
+# Kernels address a head as head * stride(1) in int64, so the launcher gets such a view as it is (no copy),
+# outputs come out contiguous, and the values are those of the contiguous call. The last tests place the
+# heads 2**31 - 2**20 elements apart: an int32 head offset wraps onto NaN-poisoned memory there.
 def _head_major(x: torch.Tensor) -> torch.Tensor:
     num_tokens, _, dim = x.shape
     y = x.transpose(0, 1).contiguous().transpose(0, 1)
@@ -176,12 +176,12 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _launcher_q_strides(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
-    """Record the strides of the first argument (q / o) of each call of ``module.name``."""
+def _launcher_q(monkeypatch, module, name: str) -> list[torch.Tensor]:
+    """Record the first argument (q / o) of each call of ``module.name``."""
     real, seen = getattr(module, name), []
 
     def spy(q, *args, **kwargs):
-        seen.append(q.stride())
+        seen.append(q)
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
@@ -199,10 +199,11 @@ def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
     cache = get_codec("fp8_ds_mla").allocate(1, 16)
     expected_cache = cache.clone()
     kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
-    seen = _launcher_q_strides(monkeypatch, kernels, "qnorm_rope_insert")
-    got = TritonBackend().qnorm_rope_insert(_head_major(q), kv, positions, cos_sin, cache, slots, **kw)
+    seen = _launcher_q(monkeypatch, kernels, "qnorm_rope_insert")
+    head_major = _head_major(q)
+    got = TritonBackend().qnorm_rope_insert(head_major, kv, positions, cos_sin, cache, slots, **kw)
     want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
-    assert seen[0][1:] == (512, 1)
+    assert seen[0] is head_major  # read in place: no packed copy
     assert got.is_contiguous() and torch.equal(got, want)
     assert torch.equal(_bytes(cache), _bytes(expected_cache))
 
@@ -220,12 +221,13 @@ def test_sparse_attention_head_major_q(monkeypatch) -> None:
     swa_idx = torch.randint(0, 32, (num_tokens, 32), dtype=torch.int32)
     swa_lens = torch.tensor([32, 3, 20], dtype=torch.int32)
     sink = torch.randn(heads)
-    seen = _launcher_q_strides(monkeypatch, kernels, "sparse_attention")
+    seen = _launcher_q(monkeypatch, kernels, "sparse_attention")
+    head_major = _head_major(q)
     for splits in (1, 3):
         kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek", "num_splits": splits}
-        got = TritonBackend().sparse_attention(_head_major(q), swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        got = TritonBackend().sparse_attention(head_major, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
         want = TritonBackend().sparse_attention(q, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
-        assert seen[-2][1:] == (512, 1)
+        assert seen[-2] is head_major  # read in place: no packed copy
         assert got[0].is_contiguous() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -237,11 +239,65 @@ def test_output_projection_head_major_o(monkeypatch) -> None:
     positions, cos_sin = torch.tensor([7, 12, 3]), cos_sin_table(16)
     wo_a = (torch.randn(64, 2 * 512) * 0.02).to(torch.bfloat16)
     wo_b = (torch.randn(48, 64) * 0.2).to(torch.bfloat16)
-    seen = _launcher_q_strides(monkeypatch, kernels, "output_projection")
-    got = TritonBackend().output_projection(_head_major(o), positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    seen = _launcher_q(monkeypatch, kernels, "output_projection")
+    head_major = _head_major(o)
+    got = TritonBackend().output_projection(head_major, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
     want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
-    assert seen[0][1:] == (512, 1)
+    assert seen[0] is head_major  # read in place: no packed copy
     assert torch.equal(got, want)
+
+
+_FAR_HEAD_STRIDE = 2**31 - 2**20  # < 2**31, so Triton passes it as an int32 argument
+_POISON = 2**22  # elements before the view: head 2's int32 offset 2 * stride wraps to -2**21
+
+
+def _far_heads(x: torch.Tensor) -> torch.Tensor:
+    """[T, 3, D] ``x`` as a view whose heads lie ``_FAR_HEAD_STRIDE`` elements apart (8 GiB of address
+    space, untouched but for the rows and the poison), the ``_POISON`` elements before it NaN: head 2 at
+    ``2 * stride`` in int32 reads NaN."""
+    num_tokens, heads, dim = x.shape
+    assert heads == 3 and 2 * _FAR_HEAD_STRIDE >= 2**31 > _FAR_HEAD_STRIDE
+    storage = torch.empty(_POISON + (heads - 1) * _FAR_HEAD_STRIDE + num_tokens * dim, dtype=x.dtype)
+    storage[:_POISON].fill_(float("nan"))
+    far = storage.as_strided(x.shape, (dim, _FAR_HEAD_STRIDE, 1), _POISON)
+    far.copy_(x)
+    return far
+
+
+@pytest.mark.parametrize("kernel", ["qnorm_rope_insert", "sparse_attention", "inverse_rope"])
+def test_head_offsets_are_int64(kernel: str) -> None:
+    """The launchers themselves (no wrapper copy to hide behind), sparse attention with one split and three
+    (the combine kernel): on a far-heads view and on a contiguous copy, bit-equal and finite."""
+    from dsv4.backends.triton import output_projection, qnorm_rope_insert, sparse_attention
+    from dsv4.backends.triton.layout import latent_layout
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 512).to(torch.bfloat16)
+    far = _far_heads(q)
+    positions, cos_sin = torch.tensor([3, 5]), cos_sin_table(16)
+    cache = get_codec("fp8_ds_mla").allocate(2, 16)
+    get_codec("fp8_ds_mla").write_rows(cache, torch.arange(32), torch.randn(32, 512))
+    layout = latent_layout("fp8_ds_mla", cache)
+    if kernel == "qnorm_rope_insert":
+        kv, slots = torch.randn(2, 512).to(torch.bfloat16), torch.tensor([-1, -1])
+        kw = {"eps": 1e-6, "deepseek_qnorm": True}
+        got = qnorm_rope_insert.qnorm_rope_insert(far, kv, positions, cos_sin, cache, layout, slots, **kw)
+        want = qnorm_rope_insert.qnorm_rope_insert(q, kv, positions, cos_sin, cache, layout, slots, **kw)
+        assert bool(want.isfinite().all()) and torch.equal(got, want)
+    elif kernel == "sparse_attention":
+        indices = torch.randint(0, 32, (2, 32), dtype=torch.int32)
+        lens, sink = torch.tensor([32, 7], dtype=torch.int32), torch.randn(3)
+        for splits in (1, 3):
+            kw = {"softmax_scale": 512 ** -0.5, "probs_bf16": True, "num_splits": splits}
+            args = (cache, layout, indices, lens, None, None, None, None, sink)
+            got = sparse_attention.sparse_attention(far, *args, **kw)
+            want = sparse_attention.sparse_attention(q, *args, **kw)
+            assert bool(want[0].isfinite().all()) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    else:
+        kw = {"rope_dim": 64, "fp8_activations": True, "fp8_block": 128}
+        got = output_projection.inverse_rope(far, positions, cos_sin, **kw)
+        want = output_projection.inverse_rope(q, positions, cos_sin, **kw)
+        assert bool(want.isfinite().all()) and torch.equal(got, want)
 
 
 # -- cos_sin of another width than SPEC §1's 64 rope dims ---------------------------------------------------
