@@ -165,6 +165,90 @@ def test_output_projection_strided_positions() -> None:
     assert torch.equal(got, want)
 
 
+def test_sparse_attention_strided_index_rows() -> None:
+    """The stride policy's integer rule: [T, W] index rows whose last dim is not unit-stride (every other
+    column of a [T, 2W] tensor, junk in between) are copied in the wrapper, as [T] vectors are (they were
+    refused)."""
+    torch.manual_seed(0)
+    codec = get_codec("fp8_ds_mla")
+    swa, extra = codec.allocate(2, 16), codec.allocate(2, 16)
+    codec.write_rows(swa, torch.arange(32), torch.randn(32, 512))
+    codec.write_rows(extra, torch.arange(32), torch.randn(32, 512))
+    q = torch.randn(3, 4, 512).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 32, (3, 16), dtype=torch.int32)
+    extra_idx = torch.randint(0, 32, (3, 16), dtype=torch.int32)
+
+    def every_other(idx: torch.Tensor) -> torch.Tensor:
+        wide = torch.stack([idx, torch.full_like(idx, -1)], 2).flatten(1)[:, ::2]
+        assert wide.stride() == (32, 2) and torch.equal(wide, idx)
+        return wide
+
+    lens, sink = torch.tensor([16, 3, 9], dtype=torch.int32), torch.randn(4)
+    kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek"}
+    got = TritonBackend().sparse_attention(q, swa, every_other(swa_idx), lens, extra, every_other(extra_idx), lens,
+                                           sink, **kw)
+    want = TritonBackend().sparse_attention(q, swa, swa_idx, lens, extra, extra_idx, lens, sink, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_float_arguments_with_a_strided_last_dim_are_refused() -> None:
+    """The stride policy's float rule, for the arguments the wrappers used to copy silently (sink,
+    norm_weight, wo_a) or pass to a packing launcher (index_q, the indexer's q and w): a DSV4ValueError
+    naming the argument, before any launch."""
+    backend = TritonBackend()
+    positions = torch.tensor([3, 7])
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # same values, last-dim stride 2
+        wide = torch.stack([t, t], -1).flatten(-2)[..., ::2]
+        assert wide.stride(-1) == 2 and torch.equal(wide, t)
+        return wide
+
+    def refused(name: str, call) -> None:
+        with pytest.raises(DSV4ValueError, match=rf"^{name}: expected unit stride along the last dim"):
+            call()
+
+    bf16 = torch.bfloat16
+    index_q, weights, cos_sin = torch.randn(2, 16, 128).to(bf16), torch.randn(2, 16), cos_sin_table(16)
+    refused("index_q", lambda: backend.indexer_q(strided(index_q), weights, positions, cos_sin, profile="vllm"))
+    cache, table = _indexer_keys(block=8)
+    kw = {"topk": 4, "key_format": "indexer_fp8"}
+    request = torch.tensor([0, 1], dtype=torch.int32)
+    refused("q", lambda: backend.indexer_topk(strided(index_q), weights, positions, request, cache, table, **kw))
+    refused("w", lambda: backend.indexer_topk(index_q, strided(weights), positions, request, cache, table, **kw))
+    swa = get_codec("fp8_ds_mla").allocate(1, 16)
+    q, idx, lens = torch.randn(2, 4, 512).to(bf16), torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    refused("sink", lambda: backend.sparse_attention(q, swa, idx, lens, None, None, None, strided(torch.randn(4)),
+                                                     kv_format="fp8_ds_mla", softmax_scale=0.1, profile="vllm"))
+    wo_a, wo_b = torch.randn(32, 4 * 512).to(bf16), torch.randn(48, 32).to(bf16)
+    refused("wo_a", lambda: backend.output_projection(q, positions, cos_sin, strided(wo_a), wo_b,
+                                                      fp8_activations=False))
+    state, out_cache = torch.randn(2, 8, 512), get_codec("indexer_fp8").allocate(1, 4)
+    refused("norm_weight", lambda: backend.compress_insert(
+        torch.randn(2, 512), positions, torch.zeros(2, dtype=torch.int32), state, torch.tensor([[0]], dtype=torch.int32),
+        positions, torch.randn(4, 256), strided(torch.rand(128) + 0.5), cos_sin_table(64), out_cache,
+        torch.tensor([-1, 1]), ratio=4, head_dim=128, out_format="indexer_fp8", profile="vllm", eps=1e-6))
+
+
+def test_fused_topk_slots_normalize_token_request_once(monkeypatch) -> None:
+    """indexer_topk_slots copies a strided token_request once and gives both launches that copy (before,
+    indexer_topk and local_to_global each copied it); results equal the contiguous call's."""
+    from dsv4.backends.triton import topk
+
+    torch.manual_seed(0)
+    cache, wide = _indexer_keys(block=8)
+    positions = torch.tensor([60, 45, 50, 33])
+    token_request = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    q, w = torch.randn(4, 16, 128).to(torch.bfloat16), torch.randn(4, 16)
+    real, seen = topk.local_to_global, []
+    monkeypatch.setattr(topk, "local_to_global", lambda local, request, *a: seen.append(request) or real(local, request, *a))
+    kw = {"topk": 4, "key_format": "indexer_fp8", "compressed_block_size": 8}
+    table = wide.contiguous()
+    got = TritonBackend().indexer_topk_slots(q, w, positions, _column(token_request, 0), cache, table, table, **kw)
+    want = TritonBackend().indexer_topk_slots(q, w, positions, token_request, cache, table, table, **kw)
+    assert seen[0].stride() == (1,) and torch.equal(seen[0], token_request)  # already the unit-stride copy
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and bool((want[1] > 0).all())
+
+
 # -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
 # Kernels address a head as head * stride(1) in int64, so the launcher gets such a view as it is (no copy),
 # outputs come out contiguous, and the values are those of the contiguous call. The last tests place the
