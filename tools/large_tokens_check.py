@@ -4,7 +4,8 @@ indexer path on key pages past 16 GiB).
 V4-Pro has 128 heads: q, the attention output and the output projection's input are [T, 128, 512] bf16,
 past 2**31 elements from T = 32769 on (a 32K-token chunked prefill); the indexer's logits [T, context / 4]
 fp32 pass it past T = 8192 with a 1M context. A kernel that forms a token's offset
-as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it. Each check runs one
+as ``t * stride`` in 32-bit arithmetic is right below that and wrong above it; so is a head's offset
+``h * stride`` of a head-major view (``x[H, T, 512].transpose(0, 1)``, which the kernels read in place). Each check runs one
 Triton op at such a T and compares the last tokens' rows (and the first, which no overflow can move)
 against ``dsv4.reference`` on those rows alone, under the conformance suite's tolerances. The suite's
 far run (``conformance/placement.py``) covers pages past 16 GiB on every backend; tokens need a real T, so
@@ -39,15 +40,28 @@ def _cos_sin(positions: int) -> torch.Tensor:
     return cos_sin_table(positions).to(DEV)
 
 
+def _activations(num_tokens: int, heads: int, head_major: bool, scale: float = 1.0) -> torch.Tensor:
+    """bf16 [T, H, 512] normal * scale; ``head_major``: a view of [H, T, 512] (stride(1) = T * 512), which the
+    kernels read in place: a head's offset ``h * T * 512`` passes 2**31 at these T as a token's does."""
+    if head_major:
+        return (torch.randn(heads, num_tokens, D, device=DEV) * scale).to(torch.bfloat16).transpose(0, 1)
+    return (torch.randn(num_tokens, heads, D, device=DEV) * scale).to(torch.bfloat16)
+
+
+def _shape(name: str, x: torch.Tensor) -> str:
+    layout = ", head-major" if x.stride(1) != x.shape[2] else ""
+    return f"{name} {tuple(x.shape)}{layout}: {x.numel() / 2**31:.3f} x 2**31 elements"
+
+
 def _edges(num_tokens: int) -> torch.Tensor:
     """The first and last EDGE token indices (int64, on DEV)."""
     return torch.cat([torch.arange(EDGE), torch.arange(num_tokens - EDGE, num_tokens)]).to(DEV)
 
 
-def chk_qnorm(num_tokens: int, heads: int) -> str:
+def chk_qnorm(num_tokens: int, heads: int, head_major: bool = False) -> str:
     """qnorm_rope_insert fp8_ds_mla: q_out of the edge tokens, and the cache rows they write (the others
     write nothing: slot -1)."""
-    q = torch.randn(num_tokens, heads, D, device=DEV, dtype=torch.bfloat16)
+    q = _activations(num_tokens, heads, head_major)
     kv = torch.randn(num_tokens, D, device=DEV, dtype=torch.bfloat16)
     positions = torch.randint(0, 4096, (num_tokens,), device=DEV)
     edges = _edges(num_tokens)
@@ -61,10 +75,10 @@ def chk_qnorm(num_tokens: int, heads: int) -> str:
                                       kv_format="fp8_ds_mla", eps=1e-6, profile="vllm")
     assert_close("q_out", out[edges].cpu(), ref.cpu(), "qnorm_rope_insert", "q_out")
     assert_cache_equivalent("swa_cache", "fp8_ds_mla", cache.cpu(), ref_cache.cpu(), slots[edges].cpu())
-    return f"q {tuple(q.shape)}: {q.numel() / 2**31:.3f} x 2**31 elements"
+    return _shape("q", q)
 
 
-def chk_attention(num_tokens: int, heads: int, hopper: bool | None) -> str:
+def chk_attention(num_tokens: int, heads: int, hopper: bool | None, head_major: bool = False) -> str:
     """sparse_attention fp8_ds_mla, SWA 128 + 512 extra entries, one split: out and lse of the edge tokens."""
     codec = get_codec("fp8_ds_mla")
     rows = 1024
@@ -75,7 +89,7 @@ def chk_attention(num_tokens: int, heads: int, hopper: bool | None) -> str:
     ext_idx = torch.randint(0, rows, (num_tokens, 512), device=DEV, dtype=torch.int32)
     swa_lens = torch.randint(1, 129, (num_tokens,), device=DEV, dtype=torch.int32)
     ext_lens = torch.randint(0, 513, (num_tokens,), device=DEV, dtype=torch.int32)
-    q = (torch.randn(num_tokens, heads, D, device=DEV) * 0.5).to(torch.bfloat16)
+    q = _activations(num_tokens, heads, head_major, 0.5)
     sink = torch.randn(heads, device=DEV)
     extra = {} if hopper is None else {"hopper": hopper}
     out, lse = B.sparse_attention(q, swa, swa_idx, swa_lens, ext, ext_idx, ext_lens, sink, kv_format="fp8_ds_mla",
@@ -86,14 +100,14 @@ def chk_attention(num_tokens: int, heads: int, hopper: bool | None) -> str:
                                               softmax_scale=D ** -0.5, profile="vllm")
     assert_close("out", out[e].cpu(), r_out.cpu(), "sparse_attention", "out", profile="vllm")
     assert_close("lse", lse[e].cpu(), r_lse.cpu(), "sparse_attention", "lse", profile="vllm")
-    return f"q {tuple(q.shape)}: {q.numel() / 2**31:.3f} x 2**31 elements"
+    return _shape("q", q)
 
 
 def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora: int = 1024,
-               hidden: int = 7168) -> str:
+               hidden: int = 7168, head_major: bool = False) -> str:
     """output_projection (V4-Pro's shape at 128 heads): out of the edge tokens."""
     groups = min(groups, heads)
-    o = torch.randn(num_tokens, heads, D, device=DEV).to(torch.bfloat16)
+    o = _activations(num_tokens, heads, head_major)
     positions = torch.randint(0, 4096, (num_tokens,), device=DEV)
     cs = _cos_sin(4096)
     fan_a = heads // groups * D
@@ -103,7 +117,7 @@ def chk_output(num_tokens: int, heads: int, fp8: bool, groups: int = 16, o_lora:
     e = _edges(num_tokens)
     ref = reference.output_projection(o[e], positions[e], cs, wo_a, wo_b, fp8_activations=fp8)
     assert_close("out", out[e].cpu(), ref.cpu(), "output_projection", "out")
-    return f"o {tuple(o.shape)}: {o.numel() / 2**31:.3f} x 2**31 elements"
+    return _shape("o", o)
 
 
 def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", block: int = 64,
@@ -144,12 +158,22 @@ def chk_indexer(num_tokens: int, context: int, key_format: str = "indexer_fp8", 
 
 
 def checks(num_tokens: int, heads: int) -> list[tuple[str, object, tuple]]:
-    """(name, function, arguments) of every check at ``num_tokens`` x ``heads``."""
+    """(name, function, arguments) of every check at ``num_tokens`` x ``heads``; the head-major ones at a T
+    (at least ``num_tokens``) whose last head starts past 2**31 elements: ``(H - 1) * T * 512 > 2**31``."""
+    head_major_tokens = max(num_tokens, 2**31 // (max(heads - 1, 1) * D) + 64)
     return [("qnorm_rope_insert fp8_ds_mla", chk_qnorm, (num_tokens, heads)),
             ("sparse_attention fp8_ds_mla (dispatch's kernel)", chk_attention, (num_tokens, heads, None)),
             ("sparse_attention fp8_ds_mla (Triton kernel)", chk_attention, (num_tokens, heads, False)),
             ("output_projection bf16", chk_output, (num_tokens, heads, False)),
             ("output_projection fp8 activations", chk_output, (num_tokens, heads, True)),
+            # head-major q / o (x[H, T, 512].transpose(0, 1)), read in place: int64 head offsets
+            ("qnorm_rope_insert fp8_ds_mla, head-major q", chk_qnorm, (head_major_tokens, heads, True)),
+            ("sparse_attention fp8_ds_mla (dispatch's kernel), head-major q", chk_attention,
+             (head_major_tokens, heads, None, True)),
+            ("sparse_attention fp8_ds_mla (Triton kernel), head-major q", chk_attention,
+             (head_major_tokens, heads, False, True)),
+            ("output_projection bf16, head-major o", chk_output,
+             (head_major_tokens, heads, False, 16, 1024, 7168, True)),
             ("indexer_topk indexer_fp8, 8256 tokens at 1M context", chk_indexer, (8256, 1 << 20)),
             *[(f"indexer_topk {fmt} served q, key pages past 16 GiB", chk_indexer, (64, 65536, fmt, 64, 512, True))
               for fmt in ("indexer_fp8", "indexer_mxfp4")]]

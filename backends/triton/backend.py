@@ -1,5 +1,22 @@
 """``TritonBackend``: validates at the boundary (no device syncs), derives layouts from the
-format specs, and launches the kernels of this folder (imported on first use)."""
+format specs, and launches the kernels of this folder (imported on first use).
+
+Stride policy (docs/triton.md, "Stride policy"), one rule by dtype:
+
+- Float tensors a kernel reads (q, kv, o, kv_score, index_q, weights, w, cos_sin, ape, norm_weight, sink,
+  wo_a) are read in place at any leading strides; their last dim must have unit stride, else
+  ``DSV4ValueError`` naming the argument. The wrappers never copy them: a silent copy of a [T, 128, 512]
+  activation is a full extra pass over it. Token and head offsets are int64, so head-major views
+  (``x[H, T, D].transpose(0, 1)``) are fine. (wo_b only meets ``torch.matmul``: any strides.)
+- Integer metadata (positions, slot mappings, token_request, lens, block tables, [T, W] index rows) whose
+  last dim is not unit-stride is copied once, here, by ``layout.unit_stride`` (small, and often a column
+  of a packed metadata tensor); any other is passed as it is.
+- state_cache must be contiguous; the paged caches' geometry is ``layout.py``'s.
+
+One exception stays inside the kernels' own launchers: the indexer's (``indexer.py``) pack index_q, q and w
+(``.contiguous()``: a no-op for the layer's tensors and ``indexer_q``'s outputs), as its kernels address a
+token's heads as packed.
+"""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -7,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from dsv4.backend import Backend, Capabilities, OpRequest
 from dsv4.backends.triton.capabilities import CAPABILITIES, probe_reasons
-from dsv4.backends.triton.layout import key_layout, latent_layout
+from dsv4.backends.triton.layout import key_layout, latent_layout, unit_stride
 from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import BackendUnavailableError, DSV4TypeError, DSV4ValueError
 from dsv4.specs.numerics import get_profile
@@ -31,30 +48,13 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> N
 def _check_cos_sin(cos_sin: torch.Tensor, rope_dim: int) -> None:
     _check_dtype("cos_sin", cos_sin, torch.float32)
     _check_shape("cos_sin", cos_sin, (None, rope_dim))
-    if cos_sin.stride(1) != 1:
-        raise DSV4ValueError.of("cos_sin", "unit stride along the last dim", cos_sin.stride())
+    _check_rows("cos_sin", cos_sin)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
-    # Kernels index the last dim with unit stride.
+    """A float tensor of the stride policy (module docstring): unit stride along the last dim, else refused."""
     if t.dim() and t.stride(-1) != 1:
         raise DSV4ValueError.of(name, "unit stride along the last dim", t.stride())
-
-
-def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` as the kernels read it: a [T] index tensor (positions, slot mappings, token_request, lens) at
-    ``ptr + t``, a block table row at ``ptr + row * stride(0) + page``. A strided view (``t2[:, 0]``,
-    ``table[:, ::2]``) is copied; a tensor with unit last stride is passed as it is (no copy)."""
-    return t if t is None or t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()  # common case first
-
-
-def _packed_heads(t: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] ``t`` with each token's heads packed (strides (*, D, 1)), else a contiguous copy. Kernels
-    address a head as ``head * stride(1)`` in int32: a head-major layout (``x[H, T, D].transpose(0, 1)``,
-    stride(1) = T*D) overflows it once (H-1)*T*D >= 2**31. The token stride may be anything (int64 there)."""
-    if t.is_contiguous() or (t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == t.shape[2])):
-        return t
-    return t.contiguous()
 
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -132,8 +132,8 @@ class TritonBackend(Backend):
         _check_shape("swa_slot_mapping", swa_slot_mapping, (num_tokens,))
         _check_rows("q", q)
         _check_rows("kv", kv)
-        return kernels.qnorm_rope_insert(_packed_heads(q), kv, _unit_stride(positions), cos_sin, swa_cache, layout,
-                                         _unit_stride(swa_slot_mapping), eps=float(eps),
+        return kernels.qnorm_rope_insert(q, kv, unit_stride(positions), cos_sin, swa_cache, layout,
+                                         unit_stride(swa_slot_mapping), eps=float(eps),
                                          deepseek_qnorm=get_profile(profile).name == "deepseek")
 
     def compress_insert(self, kv_score, positions, token_request, state_cache, state_block_table,
@@ -173,13 +173,14 @@ class TritonBackend(Backend):
         _check_rows("ape", ape)
         _check_dtype("norm_weight", norm_weight, torch.float32)
         _check_shape("norm_weight", norm_weight, (head_dim,))
+        _check_rows("norm_weight", norm_weight)
         _check_cos_sin(cos_sin, kernel_kw["rope_dim"])
         _check_dtype("out_slot_mapping", out_slot_mapping, torch.int64)
         _check_shape("out_slot_mapping", out_slot_mapping, (num_tokens,))
-        compressor.compress_insert(kv_score, _unit_stride(positions), _unit_stride(token_request), state_cache,
-                                   _unit_stride(state_block_table), _unit_stride(state_slot_mapping), ape,
-                                   norm_weight.contiguous(), cos_sin, out_cache, layout,
-                                   _unit_stride(out_slot_mapping), ratio=ratio, head_dim=head_dim, eps=float(eps),
+        compressor.compress_insert(kv_score, unit_stride(positions), unit_stride(token_request), state_cache,
+                                   unit_stride(state_block_table), unit_stride(state_slot_mapping), ape,
+                                   norm_weight, cos_sin, out_cache, layout,
+                                   unit_stride(out_slot_mapping), ratio=ratio, head_dim=head_dim, eps=float(eps),
                                    windows_in_call=bool(windows_in_call) and not _capturing(kv_score), **kernel_kw)
 
     def indexer_q(self, index_q, weights, positions, cos_sin, *, profile: str):
@@ -189,6 +190,7 @@ class TritonBackend(Backend):
         _check_dtype("index_q", index_q, torch.bfloat16)
         self._device_check("index_q", index_q)
         _check_shape("index_q", index_q, (None, None, None))
+        _check_rows("index_q", index_q)
         num_tokens, heads, dim = index_q.shape
         if weights.dtype not in (torch.bfloat16, torch.float32):
             raise DSV4TypeError.of("weights", "dtype bfloat16 or float32", weights.dtype)
@@ -204,7 +206,7 @@ class TritonBackend(Backend):
         hadamard = _hadamard(dim, index_q.device) if numerics.indexer_hadamard else None
         from dsv4.specs.formats import get_format
 
-        return indexer.indexer_q(index_q, weights, _unit_stride(positions), cos_sin, hadamard=hadamard,
+        return indexer.indexer_q(index_q, weights, unit_stride(positions), cos_sin, hadamard=hadamard,
                                  quant=numerics.indexer_quant, rope_dim=ROPE_DIM,
                                  fp4_block=get_format("indexer_mxfp4").quant_block)
 
@@ -219,6 +221,8 @@ class TritonBackend(Backend):
         num_tokens, heads, _ = q.shape
         _check_dtype("w", w, torch.float32)
         _check_shape("w", w, (num_tokens, heads))
+        _check_rows("q", q)
+        _check_rows("w", w)
         _check_dtype("positions", positions, torch.int64)
         _check_shape("positions", positions, (num_tokens,))
         _check_dtype("token_request", token_request, torch.int32)
@@ -231,8 +235,8 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("ratio", "a positive int", ratio)
         layout = key_layout(key_format, key_cache)
         _check_shape("q", q, (num_tokens, heads, layout.dim))
-        return indexer.indexer_topk(q, w, _unit_stride(positions), _unit_stride(token_request), key_cache,
-                                    layout, _unit_stride(key_block_table), topk=topk, ratio=ratio)
+        return indexer.indexer_topk(q, w, unit_stride(positions), unit_stride(token_request), key_cache,
+                                    layout, unit_stride(key_block_table), topk=topk, ratio=ratio)
 
     def indexer_topk_slots(self, q, w, positions, token_request, key_cache, key_block_table,
                            compressed_block_table, *, topk: int, key_format: str, compressed_block_size: int,
@@ -243,6 +247,7 @@ class TritonBackend(Backend):
         from dsv4.metadata import check_compressed_pages
 
         block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
+        token_request = unit_stride(token_request)  # once for both launches (then a no-op check in each)
         local = self.indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
                                   key_format=key_format, ratio=ratio)
         return local_to_global(local, token_request, compressed_block_table, block_size)
@@ -265,7 +270,6 @@ class TritonBackend(Backend):
         _check_shape("q", q, (num_tokens, heads, swa_layout.row_dim))
         _check_dtype("swa_indices", swa_indices, torch.int32)
         _check_shape("swa_indices", swa_indices, (num_tokens, None))
-        _check_rows("swa_indices", swa_indices)
         _check_dtype("swa_lens", swa_lens, torch.int32)
         _check_shape("swa_lens", swa_lens, (num_tokens,))
         extra_layout = None
@@ -275,17 +279,17 @@ class TritonBackend(Backend):
             extra_layout = latent_layout(kv_format, extra_cache, "extra_cache")
             _check_dtype("extra_indices", extra_indices, torch.int32)
             _check_shape("extra_indices", extra_indices, (num_tokens, None))
-            _check_rows("extra_indices", extra_indices)
             _check_dtype("extra_lens", extra_lens, torch.int32)
             _check_shape("extra_lens", extra_lens, (num_tokens,))
         if sink is None:
             raise DSV4ValueError.of("sink", "an fp32 [H] tensor (SPEC §12: a missing sink is an error)", None)
         _check_dtype("sink", sink, torch.float32)
         _check_shape("sink", sink, (heads,))
+        _check_rows("sink", sink)
         numerics = get_profile(profile)
-        return kernels.sparse_attention(_packed_heads(q), swa_cache, swa_layout, swa_indices, _unit_stride(swa_lens),
-                                        extra_cache, extra_layout, extra_indices, _unit_stride(extra_lens),
-                                        sink.contiguous(),
+        return kernels.sparse_attention(q, swa_cache, swa_layout, unit_stride(swa_indices), unit_stride(swa_lens),
+                                        extra_cache, extra_layout, unit_stride(extra_indices),
+                                        unit_stride(extra_lens), sink,
                                         softmax_scale=float(softmax_scale),
                                         probs_bf16=numerics.attention_probs_bf16, **tuning)
 
@@ -304,6 +308,7 @@ class TritonBackend(Backend):
         _check_dtype("wo_a", wo_a, torch.bfloat16)
         _check_dtype("wo_b", wo_b, torch.bfloat16)
         _check_shape("wo_a", wo_a, (None, None))
+        _check_rows("wo_a", wo_a)
         if wo_a.shape[1] <= 0 or (heads * dim) % wo_a.shape[1] or wo_a.shape[1] % dim:
             raise DSV4ValueError.of("wo_a", f"shape [G*o_lora, (H/G)*{dim}] with G dividing H={heads}",
                                     list(wo_a.shape))
@@ -312,7 +317,7 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("wo_a", f"a first dim divisible by G={groups}", list(wo_a.shape))
         _check_shape("wo_b", wo_b, (None, wo_a.shape[0]))
         fp8_block = 128  # SPEC §8 block of the FP8 activation variant (a dim, not a byte count)
-        return kernels.output_projection(_packed_heads(o), _unit_stride(positions), cos_sin, wo_a.contiguous(), wo_b,
+        return kernels.output_projection(o, unit_stride(positions), cos_sin, wo_a, wo_b,
                                          fp8_activations=bool(fp8_activations),
                                          rope_dim=ROPE_DIM, fp8_block=fp8_block)
 

@@ -19,7 +19,16 @@ __all__ = [
     "LatentLayout",
     "key_layout",
     "latent_layout",
+    "unit_stride",
 ]
+
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Integer metadata as the kernels read it (the backend's stride policy, ``backend.py``): a [T] index
+    tensor (positions, slot mappings, token_request, lens) at ``ptr + t``, a block table or index row at
+    ``ptr + row * stride(0) + column``. A view whose last dim is not unit-stride (``t2[:, 0]``,
+    ``table[:, ::2]``) is copied; any other tensor is passed as it is (no copy)."""
+    return t if t is None or t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()  # common case first
+
 
 # Formats the kernels implement (SPEC §9.1-9.3). fp8_e4m3 rows need a per-tensor scale that the op
 # signature does not carry, and Ascend's int8 keys have no Triton writer yet.

@@ -26,7 +26,7 @@ __all__ = ["inverse_rope", "output_projection"]
 def _inverse_rope_kernel(o_ptr, stride_ot, stride_oh, positions, cos_sin, stride_cs, out_ptr,
                          D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # a head-major o: h * stride_oh passes 2**31 at long T
     cols = tl.arange(0, D)
     base = o_ptr + t * stride_ot + h * stride_oh
     x = tl.load(base + cols).to(tl.float32)
@@ -52,8 +52,8 @@ def _inverse_rope_kernel(o_ptr, stride_ot, stride_oh, positions, cos_sin, stride
 
 def inverse_rope(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *, rope_dim: int,
                  fp8_activations: bool, fp8_block: int) -> torch.Tensor:
-    """o [T,H,512] bf16 with packed heads (stride(1) = 512: the head offset is int32) -> contiguous
-    [T,H,512] bf16 with the rope dims rotated back at p."""
+    """o [T,H,512] bf16 at any token and head strides (unit stride along the last dim; offsets in int64)
+    -> contiguous [T,H,512] bf16 with the rope dims rotated back at p."""
     num_tokens, heads, dim = o.shape
     out = torch.empty((num_tokens, heads, dim), dtype=torch.bfloat16, device=o.device)
     if num_tokens:

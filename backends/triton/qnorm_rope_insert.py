@@ -92,7 +92,8 @@ def _qnorm_rope_insert_kernel(
     if block < head_blocks:
         heads = block * BH + tl.arange(0, BH)
         ok = heads < num_heads
-        base = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+        heads64 = heads.to(tl.int64)  # a head-major q: head * stride_qh passes 2**31 at long T
+        base = q_ptr + t * stride_qt + heads64[:, None] * stride_qh
         x = tl.load(base + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         partner = tl.load(base + partner_cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         if DEEPSEEK_QNORM:
@@ -106,7 +107,7 @@ def _qnorm_rope_insert_kernel(
             normed = round_bf16(x * inv[:, None])
             partner_normed = round_bf16(partner * inv[:, None])
         rotated = _rope_tail(normed, partner_normed, cs_row, cols[None, :], NOPE, ROPE, False)
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], to_bf16(rotated),
+        tl.store(out_ptr + t * stride_ot + heads64[:, None] * stride_oh + cols[None, :], to_bf16(rotated),
                  mask=ok[:, None])
     else:
         slot = tl.load(slot_mapping + t)
@@ -122,8 +123,9 @@ def _qnorm_rope_insert_kernel(
 def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                       swa_cache: torch.Tensor, layout: LatentLayout, swa_slot_mapping: torch.Tensor,
                       *, eps: float, deepseek_qnorm: bool) -> torch.Tensor:
-    """Launch. q [T,H,512] bf16 with packed heads (stride(1) = 512: the kernel's head offset is int32),
-    kv [T,512] bf16, positions [T] int64, cos_sin [P,64] fp32 (index tensors of unit stride).
+    """Launch. q [T,H,512] bf16 at any token and head strides (unit stride along the last dim; token and
+    head offsets in int64), kv [T,512] bf16, positions [T] int64, cos_sin [P,64] fp32 (index tensors of
+    unit stride).
 
     Returns q_out [T,H,512] bf16, contiguous; writes kv rows into ``swa_cache`` (layout ``layout``).
     """

@@ -185,7 +185,8 @@ def _sparse_attention_kernel(
     head_ok = heads < num_heads
     cols = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+    # int64 head offsets: a head-major q (stride_qh = T * D) passes 2**31 at long T.
+    q = tl.load(q_ptr + t64 * stride_qt + heads.to(tl.int64)[:, None] * stride_qh + cols[None, :],
                 mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)
 
     swa_len = tl.minimum(tl.load(swa_lens + t), swa_width)
@@ -400,8 +401,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
                      num_stages: int | None = None, split_probs: bool | None = None,
                      isolate_scores: bool | None = None, prefetch: int | None = None,
                      hopper: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch. q [T,H,D] bf16 with packed heads (stride(1) = D: the kernels' head offsets are int32);
-    indices [T,W] int32 global slots; lens [T] int32 (unit stride); sink [H] fp32.
+    """Launch. q [T,H,D] bf16 at any token and head strides (unit stride along the last dim; the kernels'
+    token and head offsets are int64); indices [T,W] int32 global slots; lens [T] int32 (unit stride);
+    sink [H] fp32.
 
     Returns (out [T,H,D] bf16 contiguous, lse [T,H] fp32). Inputs are assumed validated by the backend.
     The tuning keywords (``num_splits``, ``block_heads`` ...) override ``default_tuning``;

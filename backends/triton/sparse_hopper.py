@@ -232,8 +232,9 @@ def _sparse_hopper_kernel(
         WG1_REGS: gl.constexpr, FP8_UNITS: gl.constexpr):
     """Grid (T, cdiv(H, 64), NUM_SPLITS), 4 warps + warpgroup 1 + producer warps.
 
-    q [T,H,512] bf16; pages: fp8 records as int32 (``*_pages``) and int64 (``*_words``) views of the
-    uint8 pages, bf16 rows as bf16 views (both arguments); geometry and record offsets in bytes;
+    q [T,H,512] bf16 at any token and head strides (unit last stride; offsets int64); pages: fp8 records
+    as int32 (``*_pages``) and int64 (``*_words``) views of the uint8 pages, bf16 rows as bf16 views
+    (both arguments); geometry and record offsets in bytes;
     indices [T,W] int32 global slots; lens [T] int32; sink [H] fp32; out [T,H,512] bf16; lse [T,H]
     fp32; with splits, part_acc [T*H*NUM_SPLITS, 512] fp32 and part_ml [T*H*NUM_SPLITS, 2] fp32.
     """
@@ -262,7 +263,8 @@ def _sparse_hopper_kernel(
 
     qh = head_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Q_BL))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, Q_BL))
-    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(qh, 1) * stride_qh + gl.expand_dims(qc, 0),
+    qh64 = qh.to(gl.int64)  # a head-major q (stride_qh = T * 512): head offsets pass 2**31 at long T
+    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(qh64, 1) * stride_qh + gl.expand_dims(qc, 0),
                 mask=gl.expand_dims(qh < num_heads, 1), other=0.0)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], OPERAND, q)
     k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D], OPERAND)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4.backends.triton._common import INTERPRET, next_pow2
+from dsv4.backends.triton.layout import unit_stride
 
 __all__ = ["local_to_global", "topk_indices"]
 
@@ -327,8 +328,8 @@ def local_to_global(local: torch.Tensor, token_request: torch.Tensor, block_tabl
         return slots, lens
     if k == 0:
         return slots, lens.zero_()
-    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    table, token_request = unit_stride(block_table), unit_stride(token_request)  # the backend's one rule
     extra = {} if INTERPRET else {"num_warps": 4}
-    _local_to_global_kernel[(num_tokens,)](local.contiguous(), token_request.contiguous(), table, table.stride(0),
+    _local_to_global_kernel[(num_tokens,)](local.contiguous(), token_request, table, table.stride(0),
                                            table.shape[1], block_size, slots, lens, k, KP=next_pow2(k), **extra)
     return slots, lens

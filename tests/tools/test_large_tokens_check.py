@@ -24,6 +24,10 @@ def test_the_checks_pass_at_a_small_t():
     assert "elements" in tool.chk_attention(9, 4, False)
     for fp8 in (False, True):
         assert "elements" in tool.chk_output(10, 4, fp8, groups=2, o_lora=64, hidden=128)
+    # head-major q / o, read in place
+    assert "head-major" in tool.chk_qnorm(10, 4, head_major=True)
+    assert "head-major" in tool.chk_attention(9, 4, False, head_major=True)
+    assert "head-major" in tool.chk_output(10, 4, False, groups=2, o_lora=64, hidden=128, head_major=True)
     for key_format in ("indexer_fp8", "indexer_mxfp4"):  # 9 tokens at a 1K context: 256 entries, top-64
         assert "elements" in tool.chk_indexer(9, 1024, key_format, block=16, topk=64)
         assert "GiB" in tool.chk_indexer(9, 1024, key_format, block=64, topk=64, far=True)
@@ -74,7 +78,14 @@ def test_default_shape_is_past_2_31_elements_and_main_needs_a_gpu(capsys):
     tokens = 2**31 // (128 * 512) + 64
     assert tokens * 128 * 512 > 2**31 and tokens < 33000  # a 32K-token chunked prefill at V4-Pro's 128 heads
     listed = tool.checks(tokens, 128)
-    assert {name for name, _, _ in listed} >= {"qnorm_rope_insert fp8_ds_mla", "output_projection bf16"}
+    assert {name for name, _, _ in listed} >= {"qnorm_rope_insert fp8_ds_mla", "output_projection bf16",
+                                               "qnorm_rope_insert fp8_ds_mla, head-major q",
+                                               "sparse_attention fp8_ds_mla (dispatch's kernel), head-major q",
+                                               "output_projection bf16, head-major o"}
+    # a head-major view's last head starts past 2**31 elements: its int32 offset would wrap
+    head_major = [args for name, _, args in listed if "head-major" in name]
+    assert len(head_major) == 4 and all((128 - 1) * args[0] * 512 > 2**31 for args in head_major)
+    assert all(args[0] < 33200 for args in head_major)  # and not far past it
     indexer_tokens, context = next(args for _, fn, args in listed if fn is tool.chk_indexer)
     assert indexer_tokens * (context // 4) > 2**31  # past int32 offsets, not at the edge
     if not torch.cuda.is_available():

@@ -3,7 +3,7 @@
 Kernels read a [T] index tensor as ``ptr + t`` and a block-table row as ``ptr + row * stride(0) + page``,
 so a strided view must reach them copied. Each test runs one op twice, on strided views and on
 contiguous copies of the same values, and wants the same bytes out (outputs and caches). Then
-head-major q / o, and cos_sin tables of another width than the rope dims (refused, nothing written).
+head-major q / o (read in place), and cos_sin tables of another width than the rope dims (refused, nothing written).
 """
 from __future__ import annotations
 
@@ -165,10 +165,94 @@ def test_output_projection_strided_positions() -> None:
     assert torch.equal(got, want)
 
 
+def test_sparse_attention_strided_index_rows() -> None:
+    """The stride policy's integer rule: [T, W] index rows whose last dim is not unit-stride (every other
+    column of a [T, 2W] tensor, junk in between) are copied in the wrapper, as [T] vectors are (they were
+    refused)."""
+    torch.manual_seed(0)
+    codec = get_codec("fp8_ds_mla")
+    swa, extra = codec.allocate(2, 16), codec.allocate(2, 16)
+    codec.write_rows(swa, torch.arange(32), torch.randn(32, 512))
+    codec.write_rows(extra, torch.arange(32), torch.randn(32, 512))
+    q = torch.randn(3, 4, 512).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 32, (3, 16), dtype=torch.int32)
+    extra_idx = torch.randint(0, 32, (3, 16), dtype=torch.int32)
+
+    def every_other(idx: torch.Tensor) -> torch.Tensor:
+        wide = torch.stack([idx, torch.full_like(idx, -1)], 2).flatten(1)[:, ::2]
+        assert wide.stride() == (32, 2) and torch.equal(wide, idx)
+        return wide
+
+    lens, sink = torch.tensor([16, 3, 9], dtype=torch.int32), torch.randn(4)
+    kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek"}
+    got = TritonBackend().sparse_attention(q, swa, every_other(swa_idx), lens, extra, every_other(extra_idx), lens,
+                                           sink, **kw)
+    want = TritonBackend().sparse_attention(q, swa, swa_idx, lens, extra, extra_idx, lens, sink, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_float_arguments_with_a_strided_last_dim_are_refused() -> None:
+    """The stride policy's float rule, for the arguments the wrappers used to copy silently (sink,
+    norm_weight, wo_a) or pass to a packing launcher (index_q, the indexer's q and w): a DSV4ValueError
+    naming the argument, before any launch."""
+    backend = TritonBackend()
+    positions = torch.tensor([3, 7])
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # same values, last-dim stride 2
+        wide = torch.stack([t, t], -1).flatten(-2)[..., ::2]
+        assert wide.stride(-1) == 2 and torch.equal(wide, t)
+        return wide
+
+    def refused(name: str, call) -> None:
+        with pytest.raises(DSV4ValueError, match=rf"^{name}: expected unit stride along the last dim"):
+            call()
+
+    bf16 = torch.bfloat16
+    index_q, weights, cos_sin = torch.randn(2, 16, 128).to(bf16), torch.randn(2, 16), cos_sin_table(16)
+    refused("index_q", lambda: backend.indexer_q(strided(index_q), weights, positions, cos_sin, profile="vllm"))
+    cache, table = _indexer_keys(block=8)
+    kw = {"topk": 4, "key_format": "indexer_fp8"}
+    request = torch.tensor([0, 1], dtype=torch.int32)
+    refused("q", lambda: backend.indexer_topk(strided(index_q), weights, positions, request, cache, table, **kw))
+    refused("w", lambda: backend.indexer_topk(index_q, strided(weights), positions, request, cache, table, **kw))
+    swa = get_codec("fp8_ds_mla").allocate(1, 16)
+    q, idx, lens = torch.randn(2, 4, 512).to(bf16), torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    refused("sink", lambda: backend.sparse_attention(q, swa, idx, lens, None, None, None, strided(torch.randn(4)),
+                                                     kv_format="fp8_ds_mla", softmax_scale=0.1, profile="vllm"))
+    wo_a, wo_b = torch.randn(32, 4 * 512).to(bf16), torch.randn(48, 32).to(bf16)
+    refused("wo_a", lambda: backend.output_projection(q, positions, cos_sin, strided(wo_a), wo_b,
+                                                      fp8_activations=False))
+    state, out_cache = torch.randn(2, 8, 512), get_codec("indexer_fp8").allocate(1, 4)
+    refused("norm_weight", lambda: backend.compress_insert(
+        torch.randn(2, 512), positions, torch.zeros(2, dtype=torch.int32), state, torch.tensor([[0]], dtype=torch.int32),
+        positions, torch.randn(4, 256), strided(torch.rand(128) + 0.5), cos_sin_table(64), out_cache,
+        torch.tensor([-1, 1]), ratio=4, head_dim=128, out_format="indexer_fp8", profile="vllm", eps=1e-6))
+
+
+def test_fused_topk_slots_normalize_token_request_once(monkeypatch) -> None:
+    """indexer_topk_slots copies a strided token_request once and gives both launches that copy (before,
+    indexer_topk and local_to_global each copied it); results equal the contiguous call's."""
+    from dsv4.backends.triton import topk
+
+    torch.manual_seed(0)
+    cache, wide = _indexer_keys(block=8)
+    positions = torch.tensor([60, 45, 50, 33])
+    token_request = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    q, w = torch.randn(4, 16, 128).to(torch.bfloat16), torch.randn(4, 16)
+    real, seen = topk.local_to_global, []
+    monkeypatch.setattr(topk, "local_to_global", lambda local, request, *a: seen.append(request) or real(local, request, *a))
+    kw = {"topk": 4, "key_format": "indexer_fp8", "compressed_block_size": 8}
+    table = wide.contiguous()
+    got = TritonBackend().indexer_topk_slots(q, w, positions, _column(token_request, 0), cache, table, table, **kw)
+    want = TritonBackend().indexer_topk_slots(q, w, positions, token_request, cache, table, table, **kw)
+    assert seen[0].stride() == (1,) and torch.equal(seen[0], token_request)  # already the unit-stride copy
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and bool((want[1] > 0).all())
+
+
 # -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
-# Kernels address a head as head * stride(1) in int32, which overflows for such a layout once
-# (H-1)*T*512 >= 2**31 (a GPU-sized tensor); here: the launcher must get packed heads, outputs must come
-# out contiguous, and the values must be those of the contiguous call.
+# Kernels address a head as head * stride(1) in int64, so the launcher gets such a view as it is (no copy),
+# outputs come out contiguous, and the values are those of the contiguous call. The last tests place the
+# heads 2**31 - 2**20 elements apart: an int32 head offset wraps onto NaN-poisoned memory there.
 def _head_major(x: torch.Tensor) -> torch.Tensor:
     num_tokens, _, dim = x.shape
     y = x.transpose(0, 1).contiguous().transpose(0, 1)
@@ -176,12 +260,12 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _launcher_q_strides(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
-    """Record the strides of the first argument (q / o) of each call of ``module.name``."""
+def _launcher_q(monkeypatch, module, name: str) -> list[torch.Tensor]:
+    """Record the first argument (q / o) of each call of ``module.name``."""
     real, seen = getattr(module, name), []
 
     def spy(q, *args, **kwargs):
-        seen.append(q.stride())
+        seen.append(q)
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
@@ -199,10 +283,11 @@ def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
     cache = get_codec("fp8_ds_mla").allocate(1, 16)
     expected_cache = cache.clone()
     kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
-    seen = _launcher_q_strides(monkeypatch, kernels, "qnorm_rope_insert")
-    got = TritonBackend().qnorm_rope_insert(_head_major(q), kv, positions, cos_sin, cache, slots, **kw)
+    seen = _launcher_q(monkeypatch, kernels, "qnorm_rope_insert")
+    head_major = _head_major(q)
+    got = TritonBackend().qnorm_rope_insert(head_major, kv, positions, cos_sin, cache, slots, **kw)
     want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
-    assert seen[0][1:] == (512, 1)
+    assert seen[0] is head_major  # read in place: no packed copy
     assert got.is_contiguous() and torch.equal(got, want)
     assert torch.equal(_bytes(cache), _bytes(expected_cache))
 
@@ -220,12 +305,13 @@ def test_sparse_attention_head_major_q(monkeypatch) -> None:
     swa_idx = torch.randint(0, 32, (num_tokens, 32), dtype=torch.int32)
     swa_lens = torch.tensor([32, 3, 20], dtype=torch.int32)
     sink = torch.randn(heads)
-    seen = _launcher_q_strides(monkeypatch, kernels, "sparse_attention")
+    seen = _launcher_q(monkeypatch, kernels, "sparse_attention")
+    head_major = _head_major(q)
     for splits in (1, 3):
         kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek", "num_splits": splits}
-        got = TritonBackend().sparse_attention(_head_major(q), swa, swa_idx, swa_lens, None, None, None, sink, **kw)
+        got = TritonBackend().sparse_attention(head_major, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
         want = TritonBackend().sparse_attention(q, swa, swa_idx, swa_lens, None, None, None, sink, **kw)
-        assert seen[-2][1:] == (512, 1)
+        assert seen[-2] is head_major  # read in place: no packed copy
         assert got[0].is_contiguous() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -237,11 +323,65 @@ def test_output_projection_head_major_o(monkeypatch) -> None:
     positions, cos_sin = torch.tensor([7, 12, 3]), cos_sin_table(16)
     wo_a = (torch.randn(64, 2 * 512) * 0.02).to(torch.bfloat16)
     wo_b = (torch.randn(48, 64) * 0.2).to(torch.bfloat16)
-    seen = _launcher_q_strides(monkeypatch, kernels, "output_projection")
-    got = TritonBackend().output_projection(_head_major(o), positions, cos_sin, wo_a, wo_b, fp8_activations=True)
+    seen = _launcher_q(monkeypatch, kernels, "output_projection")
+    head_major = _head_major(o)
+    got = TritonBackend().output_projection(head_major, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
     want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
-    assert seen[0][1:] == (512, 1)
+    assert seen[0] is head_major  # read in place: no packed copy
     assert torch.equal(got, want)
+
+
+_FAR_HEAD_STRIDE = 2**31 - 2**20  # < 2**31, so Triton passes it as an int32 argument
+_POISON = 2**22  # elements before the view: head 2's int32 offset 2 * stride wraps to -2**21
+
+
+def _far_heads(x: torch.Tensor) -> torch.Tensor:
+    """[T, 3, D] ``x`` as a view whose heads lie ``_FAR_HEAD_STRIDE`` elements apart (8 GiB of address
+    space, untouched but for the rows and the poison), the ``_POISON`` elements before it NaN: head 2 at
+    ``2 * stride`` in int32 reads NaN."""
+    num_tokens, heads, dim = x.shape
+    assert heads == 3 and 2 * _FAR_HEAD_STRIDE >= 2**31 > _FAR_HEAD_STRIDE
+    storage = torch.empty(_POISON + (heads - 1) * _FAR_HEAD_STRIDE + num_tokens * dim, dtype=x.dtype)
+    storage[:_POISON].fill_(float("nan"))
+    far = storage.as_strided(x.shape, (dim, _FAR_HEAD_STRIDE, 1), _POISON)
+    far.copy_(x)
+    return far
+
+
+@pytest.mark.parametrize("kernel", ["qnorm_rope_insert", "sparse_attention", "inverse_rope"])
+def test_head_offsets_are_int64(kernel: str) -> None:
+    """The launchers themselves (no wrapper copy to hide behind), sparse attention with one split and three
+    (the combine kernel): on a far-heads view and on a contiguous copy, bit-equal and finite."""
+    from dsv4.backends.triton import output_projection, qnorm_rope_insert, sparse_attention
+    from dsv4.backends.triton.layout import latent_layout
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 512).to(torch.bfloat16)
+    far = _far_heads(q)
+    positions, cos_sin = torch.tensor([3, 5]), cos_sin_table(16)
+    cache = get_codec("fp8_ds_mla").allocate(2, 16)
+    get_codec("fp8_ds_mla").write_rows(cache, torch.arange(32), torch.randn(32, 512))
+    layout = latent_layout("fp8_ds_mla", cache)
+    if kernel == "qnorm_rope_insert":
+        kv, slots = torch.randn(2, 512).to(torch.bfloat16), torch.tensor([-1, -1])
+        kw = {"eps": 1e-6, "deepseek_qnorm": True}
+        got = qnorm_rope_insert.qnorm_rope_insert(far, kv, positions, cos_sin, cache, layout, slots, **kw)
+        want = qnorm_rope_insert.qnorm_rope_insert(q, kv, positions, cos_sin, cache, layout, slots, **kw)
+        assert bool(want.isfinite().all()) and torch.equal(got, want)
+    elif kernel == "sparse_attention":
+        indices = torch.randint(0, 32, (2, 32), dtype=torch.int32)
+        lens, sink = torch.tensor([32, 7], dtype=torch.int32), torch.randn(3)
+        for splits in (1, 3):
+            kw = {"softmax_scale": 512 ** -0.5, "probs_bf16": True, "num_splits": splits}
+            args = (cache, layout, indices, lens, None, None, None, None, sink)
+            got = sparse_attention.sparse_attention(far, *args, **kw)
+            want = sparse_attention.sparse_attention(q, *args, **kw)
+            assert bool(want[0].isfinite().all()) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    else:
+        kw = {"rope_dim": 64, "fp8_activations": True, "fp8_block": 128}
+        got = output_projection.inverse_rope(far, positions, cos_sin, **kw)
+        want = output_projection.inverse_rope(q, positions, cos_sin, **kw)
+        assert bool(want.isfinite().all()) and torch.equal(got, want)
 
 
 # -- cos_sin of another width than SPEC §1's 64 rope dims ---------------------------------------------------
