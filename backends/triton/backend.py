@@ -204,11 +204,10 @@ class TritonBackend(Backend):
             raise DSV4ValueError.of("profile", "a profile with fp4 or fp8 indexer quantization (Triton)",
                                     numerics.name)
         hadamard = _hadamard(dim, index_q.device) if numerics.indexer_hadamard else None
-        from dsv4.specs.formats import get_format
-
+        # the q rule's block (SPEC §6.6), not the key format's; FP4_BLOCK is read only under fp4
         return indexer.indexer_q(index_q, weights, unit_stride(positions), cos_sin, hadamard=hadamard,
                                  quant=numerics.indexer_quant, rope_dim=ROPE_DIM,
-                                 fp4_block=get_format("indexer_mxfp4").quant_block)
+                                 fp4_block=numerics.indexer_q_block(dim))
 
     def indexer_topk(self, q, w, positions, token_request, key_cache, key_block_table, *,
                      topk: int, key_format: str, ratio: int = 4) -> torch.Tensor:

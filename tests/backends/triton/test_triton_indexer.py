@@ -24,6 +24,25 @@ def test_indexer_q(profile: str) -> None:
     assert_close("w", w, w_ref, "indexer_q", "w")
 
 
+@pytest.mark.parametrize("profile", ["deepseek", "vllm"])
+def test_indexer_q_block_is_the_q_rule(monkeypatch: pytest.MonkeyPatch, profile: str) -> None:
+    """The fp4 q block the kernel gets is the profile's q rule (``specs.numerics.INDEXER_Q_SCALE_BLOCK``),
+    not the mxfp4 key format's block (equal today; a changed q rule must reach the kernel)."""
+    from dsv4.backends.triton import indexer as triton_indexer
+    from dsv4.specs.numerics import INDEXER_Q_SCALE_BLOCK, get_profile
+
+    seen: list[int] = []
+
+    def spy(*args, fp4_block: int, **kwargs):
+        seen.append(fp4_block)
+
+    monkeypatch.setattr(triton_indexer, "indexer_q", spy)
+    monkeypatch.setitem(INDEXER_Q_SCALE_BLOCK, "fp4", 16)
+    index_q = torch.randn(2, 4, 128).to(torch.bfloat16)
+    TritonBackend().indexer_q(index_q, torch.randn(2, 4), torch.arange(2), cos_sin_table(8), profile=profile)
+    assert seen == [16 if get_profile(profile).indexer_quant == "fp4" else 128]
+
+
 @pytest.mark.parametrize("key_format", ["indexer_mxfp4", "indexer_fp8"])
 def test_indexer_topk_tie_aware(key_format: str) -> None:
     topk, block, heads = 8, 16, 64
