@@ -80,7 +80,7 @@ def test_a_wrong_dtype_fails_the_row_once_in_the_layout_metric():
             return q.double(), w.double()
 
     cases = select_cases(default_cases(), ["indexer_q"], "deepseek")
-    (row,) = run_suite(["widens"], cases, registry=_registry(Widens()), far=False).rows
+    (row,) = run_suite(["widens"], cases, registry=registry_of(Widens()), far=False).rows
     assert row.outcome == "failed" and row.counts_as_failure
     assert row.metrics["layout"]["problems"] == ["q: dtype torch.float64, the fake kernel promises torch.bfloat16",
                                                  "w: dtype torch.float64, the fake kernel promises torch.float32"]

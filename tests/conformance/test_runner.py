@@ -212,10 +212,8 @@ def test_the_slots_metric_runs_on_the_cases_own_holed_table():
             args[6].fill_(7)  # a backend scribbling on its table changes nothing for the check
             return super().indexer_topk_slots(*args[:6], seen[-1], **kwargs)
 
-    reg = Registry()
-    reg.register_backend(Records())
     cases = _cases("indexer_topk", "deepseek and mixed")
-    (row,) = run_suite(["records"], cases, registry=reg, far=False).rows
+    (row,) = run_suite(["records"], cases, registry=registry_of(Records(), reference=False), far=False).rows
     prepared = prepare(cases[0])
     key_table, table = prepared.steps[0][0][5], prepared.check["slots_block_table"]
     assert row.outcome == "passed" and len(seen) == 1 and torch.equal(seen[0], table)
