@@ -19,19 +19,14 @@ request may write, and every layer must run a step before its requests are plann
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from dsv4.cache_args import MAX_SLOTS, StepRequest, check_requests, hashable, resolve_device
-from dsv4.metadata import (
-    GroupTable,
-    RatioMetadata,
-    StepMetadata,
-    dense_compressed_indices,
-    mark_planned,
-    slots_from_block_table,
-)
+from dsv4.cache_metadata import build_step_metadata
+from dsv4.metadata import StepMetadata, mark_planned
 from dsv4.paging import SPEC_GROUPS, BlockPool, pages_per_group
 from dsv4.specs.config import ModelConfig
 from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
@@ -126,6 +121,8 @@ class PagedKVCache:
       (each success clears its layer) or ``free()`` the request and prefill it again. A request that made
       the input bad (a NaN row) can be freed after the re-run: its rows may be anything finite, e.g.
       zeros, in that re-run.
+    - Speculative decoding: once every layer ran a verify step, ``rollback(request, n)`` discards its ``n``
+      rejected draft tokens (at most the step's tokens); the next step starts after the accepted ones.
     """
 
     def __init__(
@@ -194,6 +191,7 @@ class PagedKVCache:
                                                dtype=torch.float32, device=self.device)
             self.layers[layer_id] = lc
         self.seq_lens: dict[Hashable, int] = {}
+        self._step_starts: dict[Hashable, int] = {}  # request -> its length before its latest step (rollback)
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
@@ -214,8 +212,40 @@ class PagedKVCache:
         for group in self.groups.values():
             group.release(request_id)
         del self.seq_lens[request_id]
+        del self._step_starts[request_id]
         self._serial += 1
         self._freed.setdefault(self._epochs.pop(request_id), (request_id, self._serial))  # runs until a plan
+
+    def rollback(self, request_id: Hashable, num_tokens: int) -> int:
+        """Discard the last ``num_tokens`` tokens of ``request_id``: the draft tokens a speculative step
+        (MTP) verified and rejected. -> the request's new length; its next step starts there.
+
+        At most the tokens its latest step appended (earlier ones may have slid out of a window), after
+        every layer ran that step (``mark_written`` after a graph replay). Nothing is erased: the rejected
+        rows stay in their pages, where no read reaches them (a token reads its window, the compressed
+        entries closed at or before it, and the indexer's picks among those), and the next step writes
+        those positions again before any token reads them (a compressed entry is written again by the
+        token that closes it, before that token attends). The pages stay with the request, for its next
+        tokens. The latest step stays the latest (running it again writes the same rows again).
+        """
+        if not hashable(request_id) or request_id not in self.seq_lens:
+            raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
+            raise DSV4TypeError.of("num_tokens", "an int >= 0", f"{type(num_tokens).__name__} {num_tokens!r}")
+        serial, length, start = self._epochs[request_id], self.seq_lens[request_id], self._step_starts[request_id]
+        if not 0 <= num_tokens <= length - start:
+            raise DSV4ValueError.of(
+                "num_tokens", f"0 .. {length - start} (the tokens step #{serial} appended to request "
+                f"{request_id!r} and not rolled back)", int(num_tokens),
+                hint="only the latest step's tokens can be discarded")
+        pending = self._pending.get(serial)
+        if pending:
+            raise DSV4ValueError.of(
+                "request_id", "a request whose latest step every layer ran",
+                f"layers {sorted(pending)} still to run step #{serial}",
+                hint="run the step in every layer first (after replaying a CUDA graph: cache.mark_written(step))")
+        self.seq_lens[request_id] = length - int(num_tokens)
+        return self.seq_lens[request_id]
 
     def free_pages(self) -> dict[str, int]:
         return {name: len(g.free_pages) for name, g in self.groups.items()}
@@ -372,11 +402,12 @@ class PagedKVCache:
         for name, group in self.groups.items():
             for r, (_, _, needed) in zip(ids, plans[name]):
                 group.append(r, needed)
-        before = (self._serial, {r: self.seq_lens.get(r) for r in ids}, {r: self._epochs.get(r) for r in ids})
+        before = (self._serial, *({r: store.get(r) for r in ids} for store in self._per_request()))
         self._serial += 1
-        for r, e in zip(ids, ends):
+        for r, s, e in zip(ids, starts, ends):
             self.seq_lens[r] = e
             self._epochs[r] = self._serial
+            self._step_starts[r] = s
         try:
             metadata = self._metadata(ids, starts, [r.num_tokens for r in requests])
         except BaseException:
@@ -404,81 +435,21 @@ class PagedKVCache:
             group = self.groups[name]
             for r, first_live in reversed(list(zip(ids, released[name]))):
                 group.undo_release(r, first_live)
-        self._serial, seq_lens, epochs = before
-        for r in ids:
-            for store, value in ((self.seq_lens, seq_lens[r]), (self._epochs, epochs[r])):
-                if value is None:
+        self._serial, *values = before
+        for store, old in zip(self._per_request(), values):
+            for r in ids:
+                if old[r] is None:
                     store.pop(r, None)
                 else:
-                    store[r] = value
+                    store[r] = old[r]
+
+    def _per_request(self) -> tuple[dict, ...]:
+        """The per-request records a plan sets (and ``_undo_plan`` restores)."""
+        return self.seq_lens, self._epochs, self._step_starts
 
     def _metadata(self, ids: list, starts: list[int], lens: list[int]) -> StepMetadata:
-        """Per-token vectors are derived on the host (O(T)), then every table is built on the cache's
-        device from them and the block tables (no host table of context width is made or copied)."""
-        dev = self.device
-        qlens = torch.tensor(lens, dtype=torch.int64)
-        token_request = torch.repeat_interleave(torch.arange(len(ids), dtype=torch.int64), qlens)
-        first = torch.tensor(starts, dtype=torch.int64)
-        offsets = torch.arange(int(qlens.sum())) - torch.repeat_interleave(torch.cumsum(qlens, 0) - qlens, qlens)
-        query_start_loc = torch.zeros(len(ids) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(qlens, 0).to(torch.int32)
-        seq_lens = (first + qlens).to(torch.int32)
-        max_seq_len = max(s + n for s, n in zip(starts, lens))
-        positions = (first[token_request] + offsets).to(dev)
-        token_request = token_request.to(dev)
-
-        swa_group = self.groups["swa"]
-        swa_bt = swa_group.table_tensor(ids, dev)
-        W = self.window
-        swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
-        window_start = (positions - W + 1).clamp(min=0)
-        swa_lens = positions - window_start + 1
-        k = torch.arange(W, device=dev)
-        local = window_start[:, None] + k[None, :]
-        local = torch.where(k[None, :] < swa_lens[:, None], local, torch.full_like(local, -1))
-        swa_indices = slots_from_block_table(local, token_request, swa_bt, swa_group.block_size)
-
-        ratios: dict[int, RatioMetadata] = {}
-        for name in self.groups:
-            if not name.startswith("c"):
-                continue
-            r = int(name[1:])
-            comp, state = self.groups[name], self.groups[f"state{r}"]
-            comp_bt, state_bt = comp.table_tensor(ids, dev), state.table_tensor(ids, dev)
-            closes = (positions + 1) % r == 0
-            entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
-            hca_indices = hca_lens = topk_lens = None
-            if LayerKind.from_ratio(r) == LayerKind.HCA:  # per-request rows gathered per token (SPEC §10)
-                hca_indices, hca_lens = dense_compressed_indices(positions, token_request, comp_bt, comp.block_size,
-                                                                 r, max_seq_len // r)
-            else:  # CSA: the indexer's picks that can be valid, one tensor for every CSA layer of the step
-                topk_lens = ((positions + 1) // r).clamp(max=self.cfg.index_topk).to(torch.int32)
-            ratios[r] = RatioMetadata(
-                ratio=r,
-                compressed_slot_mapping=slots_from_block_table(entry, token_request, comp_bt, comp.block_size),
-                state_slot_mapping=slots_from_block_table(positions, token_request, state_bt, state.block_size),
-                compressed=GroupTable(comp_bt, comp.block_size),
-                state=GroupTable(state_bt, state.block_size),
-                hca_indices=hca_indices,
-                hca_lens=hca_lens,
-                topk_lens=topk_lens,
-            )
-
-        return StepMetadata(
-            request_ids=tuple(ids),
-            positions=positions,
-            token_request=token_request.to(torch.int32),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=seq_lens.to(dev),
-            query_lens=tuple(lens),
-            max_seq_len=max_seq_len,
-            swa=GroupTable(swa_bt, swa_group.block_size),
-            swa_slot_mapping=swa_slot_mapping,
-            swa_indices=swa_indices.to(torch.int32),
-            swa_lens=swa_lens.to(torch.int32),
-            ratios=ratios,
-            context_lens=tuple(starts),
-        )
+        """The step's metadata from the pools' tables (``dsv4.cache_metadata``; a seam for tests)."""
+        return build_step_metadata(self.groups, self.window, self.cfg.index_topk, ids, starts, lens, self.device)
 
     def check_profile(self, profile: str) -> None:
         """Refuse a reader whose numerics profile differs from the writer's (SPEC §6.6, §12)."""

@@ -1,0 +1,93 @@
+"""The :class:`~dsv4.metadata.StepMetadata` of a planned step, built from the cache groups' block tables
+(SPEC §10). ``PagedKVCache.plan_step`` calls it after committing the step's pages; it only reads them.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from dsv4.metadata import (
+    GroupTable,
+    RatioMetadata,
+    StepMetadata,
+    dense_compressed_indices,
+    slots_from_block_table,
+)
+from dsv4.paging import BlockPool
+from dsv4.specs.layer_kinds import LayerKind
+
+__all__ = ["build_step_metadata"]
+
+
+def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk: int, ids: Sequence[Hashable],
+                        starts: Sequence[int], lens: Sequence[int], device: torch.device) -> StepMetadata:
+    """The metadata of a step whose requests ``ids`` (batch order) append ``lens[i]`` tokens after
+    ``starts[i]``, on ``device``, from ``groups`` (``PagedKVCache.groups``: ``swa``, ``c{r}``, ``state{r}``)
+    whose tables already hold the step's pages. ``window``: the SWA width; ``index_topk``: the CSA indexer's k.
+
+    Per-token vectors are derived on the host (O(T)), then every table is built on ``device`` from them and
+    the block tables (no host table of context width is made or copied)."""
+    dev = device
+    qlens = torch.tensor(lens, dtype=torch.int64)
+    token_request = torch.repeat_interleave(torch.arange(len(ids), dtype=torch.int64), qlens)
+    first = torch.tensor(starts, dtype=torch.int64)
+    offsets = torch.arange(int(qlens.sum())) - torch.repeat_interleave(torch.cumsum(qlens, 0) - qlens, qlens)
+    query_start_loc = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(qlens, 0).to(torch.int32)
+    seq_lens = (first + qlens).to(torch.int32)
+    max_seq_len = max(s + n for s, n in zip(starts, lens))
+    positions = (first[token_request] + offsets).to(dev)
+    token_request = token_request.to(dev)
+
+    swa_group = groups["swa"]
+    swa_bt = swa_group.table_tensor(ids, dev)
+    W = window
+    swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
+    window_start = (positions - W + 1).clamp(min=0)
+    swa_lens = positions - window_start + 1
+    k = torch.arange(W, device=dev)
+    local = window_start[:, None] + k[None, :]
+    local = torch.where(k[None, :] < swa_lens[:, None], local, torch.full_like(local, -1))
+    swa_indices = slots_from_block_table(local, token_request, swa_bt, swa_group.block_size)
+
+    ratios: dict[int, RatioMetadata] = {}
+    for name in groups:
+        if not name.startswith("c"):
+            continue
+        r = int(name[1:])
+        comp, state = groups[name], groups[f"state{r}"]
+        comp_bt, state_bt = comp.table_tensor(ids, dev), state.table_tensor(ids, dev)
+        closes = (positions + 1) % r == 0
+        entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
+        hca_indices = hca_lens = topk_lens = None
+        if LayerKind.from_ratio(r) == LayerKind.HCA:  # per-request rows gathered per token (SPEC §10)
+            hca_indices, hca_lens = dense_compressed_indices(positions, token_request, comp_bt, comp.block_size,
+                                                             r, max_seq_len // r)
+        else:  # CSA: the indexer's picks that can be valid, one tensor for every CSA layer of the step
+            topk_lens = ((positions + 1) // r).clamp(max=index_topk).to(torch.int32)
+        ratios[r] = RatioMetadata(
+            ratio=r,
+            compressed_slot_mapping=slots_from_block_table(entry, token_request, comp_bt, comp.block_size),
+            state_slot_mapping=slots_from_block_table(positions, token_request, state_bt, state.block_size),
+            compressed=GroupTable(comp_bt, comp.block_size),
+            state=GroupTable(state_bt, state.block_size),
+            hca_indices=hca_indices,
+            hca_lens=hca_lens,
+            topk_lens=topk_lens,
+        )
+
+    return StepMetadata(
+        request_ids=tuple(ids),
+        positions=positions,
+        token_request=token_request.to(torch.int32),
+        query_start_loc=query_start_loc.to(dev),
+        seq_lens=seq_lens.to(dev),
+        query_lens=tuple(lens),
+        max_seq_len=max_seq_len,
+        swa=GroupTable(swa_bt, swa_group.block_size),
+        swa_slot_mapping=swa_slot_mapping,
+        swa_indices=swa_indices.to(torch.int32),
+        swa_lens=swa_lens.to(torch.int32),
+        ratios=ratios,
+        context_lens=tuple(starts),
+    )
