@@ -38,11 +38,17 @@ def _fill(cache: PagedKVCache) -> None:
                 codec.write_rows(storage, chunk, rows, check=False)
 
 
+def request_pages(context: int) -> dict[str, int]:
+    """Pages a group needs for one request of ``context`` tokens, with room to spare (entries a page:
+    ``dsv4.specs.geometry``)."""
+    return {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
+            "state4": context // 4 + 2, "state128": context // 8 + 2}
+
+
 def _filled_cache(cfg: ModelConfig, layer_ids: list[int], lens: dict, context: int, device: str) -> PagedKVCache:
     """A cache holding the requests ``lens`` ({id: tokens}, none over ``context``), every page filled
     (``_fill``). Seeded: the same bytes every call."""
-    pages = {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-             "state4": context // 4 + 2, "state128": context // 8 + 2}  # entries a page: dsv4.specs.geometry
+    pages = request_pages(context)
     cache = PagedKVCache(cfg, layer_ids, num_blocks={k: len(lens) * v for k, v in pages.items()}, device=device)
     step = cache.plan_step([StepRequest(i, n) for i, n in lens.items()])
     torch.manual_seed(0)

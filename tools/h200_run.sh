@@ -17,6 +17,7 @@ step dsv4-conformance layer-golden $GOLDEN --device cuda --json "$OUT/golden_aut
 step python3 tools/check_flashmla.py --json "$OUT/check_flashmla.json"
 step python3 tools/target_isa.py  # what the mxfp4 indexer lowers to on sm_90 / sm_100 / gfx950 / gfx942 (compiled only)
 step python3 tools/graph_guards_check.py  # capture before reserve_positions refused; refresh_weights reaches graphs; capture selects as eager
+step python3 tools/spec_decode_check.py  # verify steps with rollback: rejected rows never read; accepted = plain run
 step python3 tools/large_tokens_check.py  # [T, 128, 512] tensors past 2**31 elements (T = 32832)
 if [ "${1:-}" != "quick" ]; then
   step python3 tools/gpu_check.py
