@@ -246,7 +246,8 @@ class TritonBackend(Backend):
         from dsv4.metadata import check_compressed_pages
 
         block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
-        token_request = unit_stride(token_request)  # once for both launches (then a no-op check in each)
+        if isinstance(token_request, torch.Tensor):  # else indexer_topk's check names it
+            token_request = unit_stride(token_request)  # once for both launches (then a no-op check in each)
         local = self.indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
                                   key_format=key_format, ratio=ratio)
         return local_to_global(local, token_request, compressed_block_table, block_size)

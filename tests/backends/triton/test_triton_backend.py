@@ -12,7 +12,7 @@ import torch
 from _triton_helpers import cos_sin_table, poisoned_like
 from dsv4.backends.triton import TritonBackend
 from dsv4.codecs import get_codec
-from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
 
 def _column(values: torch.Tensor, junk: int) -> torch.Tensor:
@@ -247,6 +247,9 @@ def test_fused_topk_slots_normalize_token_request_once(monkeypatch) -> None:
     want = TritonBackend().indexer_topk_slots(q, w, positions, token_request, cache, table, table, **kw)
     assert seen[0].stride() == (1,) and torch.equal(seen[0], token_request)  # already the unit-stride copy
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and bool((want[1] > 0).all())
+    for wrong in ([1, 0, 1, 0], 3):  # not a tensor: indexer_topk's check names it (no AttributeError first)
+        with pytest.raises(DSV4TypeError, match="token_request: expected a torch.Tensor"):
+            TritonBackend().indexer_topk_slots(q, w, positions, wrong, cache, table, table, **kw)
 
 
 # -- head-major q / o: x[H, T, 512].transpose(0, 1), stride(1) = T * 512 ------------------------------------
