@@ -342,11 +342,15 @@ class PagedKVCache:
             return end_pos // int(name[1:])
         return end_pos
 
-    def plan_step(self, requests: Sequence[StepRequest]) -> Step:
+    def plan_step(self, requests: Sequence[StepRequest], *, pad_to: int | None = None) -> Step:
         """Allocate pages for a step and derive its metadata (SPEC §10).
 
         requests: a list or tuple of :class:`StepRequest`, the batch rows in order; each appends
         ``num_tokens`` >= 1 tokens to its request (a new request id starts at position 0).
+        pad_to: None, or a length >= every request's after the step: every table of the metadata is then
+        as wide as sequences of ``pad_to`` tokens need, so steps with the same rows (a decode loop) have
+        the same shapes and one CUDA graph serves them all (``copy_metadata_``). Wider tables cost
+        host-to-device bytes and, in some kernels, loop trips over -1 entries (docs/ARCHITECTURE.md §5).
 
         All or nothing: raises before changing anything when a request is malformed, a request's
         previous step was not written by every layer (see the class docstring), or a group runs out
@@ -364,6 +368,13 @@ class PagedKVCache:
         for r, e in zip(requests, ends):
             if e > limit:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
+        if pad_to is not None:
+            if isinstance(pad_to, bool) or not isinstance(pad_to, numbers.Integral):
+                raise DSV4TypeError.of("pad_to", "None or an int", f"{type(pad_to).__name__} {pad_to!r}")
+            if not max(ends) <= pad_to <= limit:
+                raise DSV4ValueError.of("pad_to", f"a length in {max(ends)} .. {limit} (the step's longest request "
+                                        "after it .. max_position_embeddings)", int(pad_to))
+            pad_to = int(pad_to)
         for r in ids:
             pending = self._pending.get(self._epochs.get(r))
             if pending and not self._runnable_after_frees(self._epochs[r]):
@@ -409,7 +420,7 @@ class PagedKVCache:
             self._epochs[r] = self._serial
             self._step_starts[r] = s
         try:
-            metadata = self._metadata(ids, starts, [r.num_tokens for r in requests])
+            metadata = self._metadata(ids, starts, [r.num_tokens for r in requests], pad_to)
         except BaseException:
             self._undo_plan(ids, plans, released, before)
             raise
@@ -447,9 +458,10 @@ class PagedKVCache:
         """The per-request records a plan sets (and ``_undo_plan`` restores)."""
         return self.seq_lens, self._epochs, self._step_starts
 
-    def _metadata(self, ids: list, starts: list[int], lens: list[int]) -> StepMetadata:
+    def _metadata(self, ids: list, starts: list[int], lens: list[int], pad_to: int | None) -> StepMetadata:
         """The step's metadata from the pools' tables (``dsv4.cache_metadata``; a seam for tests)."""
-        return build_step_metadata(self.groups, self.window, self.cfg.index_topk, ids, starts, lens, self.device)
+        return build_step_metadata(self.groups, self.window, self.cfg.index_topk, ids, starts, lens, self.device,
+                                   pad_to)
 
     def check_profile(self, profile: str) -> None:
         """Refuse a reader whose numerics profile differs from the writer's (SPEC §6.6, §12)."""

@@ -14,16 +14,21 @@ from dsv4.metadata import (
     slots_from_block_table,
 )
 from dsv4.paging import BlockPool
+from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 
 __all__ = ["build_step_metadata"]
 
 
 def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk: int, ids: Sequence[Hashable],
-                        starts: Sequence[int], lens: Sequence[int], device: torch.device) -> StepMetadata:
+                        starts: Sequence[int], lens: Sequence[int], device: torch.device,
+                        pad_to: int | None = None) -> StepMetadata:
     """The metadata of a step whose requests ``ids`` (batch order) append ``lens[i]`` tokens after
     ``starts[i]``, on ``device``, from ``groups`` (``PagedKVCache.groups``: ``swa``, ``c{r}``, ``state{r}``)
     whose tables already hold the step's pages. ``window``: the SWA width; ``index_topk``: the CSA indexer's k.
+    ``pad_to``: every table as wide as sequences of ``pad_to`` tokens need (block tables, HCA index rows), so
+    that steps of the same rows have the same shapes (a CUDA graph's inputs); a table already wider (pages a
+    rollback kept) raises :class:`DSV4ValueError` naming ``pad_to``.
 
     Per-token vectors are derived on the host (O(T)), then every table is built on ``device`` from them and
     the block tables (no host table of context width is made or copied)."""
@@ -40,7 +45,7 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     token_request = token_request.to(dev)
 
     swa_group = groups["swa"]
-    swa_bt = swa_group.table_tensor(ids, dev)
+    swa_bt = _table(swa_group, ids, dev, pad_to)
     W = window
     swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
     window_start = (positions - W + 1).clamp(min=0)
@@ -56,13 +61,14 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
             continue
         r = int(name[1:])
         comp, state = groups[name], groups[f"state{r}"]
-        comp_bt, state_bt = comp.table_tensor(ids, dev), state.table_tensor(ids, dev)
+        comp_bt = _table(comp, ids, dev, None if pad_to is None else pad_to // r)
+        state_bt = _table(state, ids, dev, pad_to)
         closes = (positions + 1) % r == 0
         entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
         hca_indices = hca_lens = topk_lens = None
         if LayerKind.from_ratio(r) == LayerKind.HCA:  # per-request rows gathered per token (SPEC §10)
             hca_indices, hca_lens = dense_compressed_indices(positions, token_request, comp_bt, comp.block_size,
-                                                             r, max_seq_len // r)
+                                                             r, (pad_to or max_seq_len) // r)
         else:  # CSA: the indexer's picks that can be valid, one tensor for every CSA layer of the step
             topk_lens = ((positions + 1) // r).clamp(max=index_topk).to(torch.int32)
         ratios[r] = RatioMetadata(
@@ -91,3 +97,18 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
         ratios=ratios,
         context_lens=tuple(starts),
     )
+
+
+def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, entries: int | None) -> torch.Tensor:
+    """``group``'s block table of the step, at least as wide as ``entries`` entries need (None: as wide as
+    its longest row)."""
+    if entries is None:
+        return group.table_tensor(ids, device)
+    width = max(1, -(-entries // group.block_size))
+    table = group.table_tensor(ids, device, min_width=width)
+    if table.shape[1] != width:
+        raise DSV4ValueError.of("pad_to", f"a length whose {group.name!r} pages cover every request's table "
+                                f"({width} pages of {group.block_size} entries)",
+                                f"a request holding {table.shape[1]} pages",
+                                hint="pad to the longest length plus the drafts a rollback may leave pages for")
+    return table

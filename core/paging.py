@@ -147,13 +147,13 @@ class BlockPool:
 
     # -- step tables -------------------------------------------------------------------------------
 
-    def table_tensor(self, request_ids: Sequence[Hashable], device: torch.device) -> torch.Tensor:
-        """``[R, max(1, longest table)]`` int32 on ``device``, -1 padded: the step's block table.
+    def table_tensor(self, request_ids: Sequence[Hashable], device: torch.device, min_width: int = 1) -> torch.Tensor:
+        """``[R, max(min_width, longest table)]`` int32 on ``device``, -1 padded: the step's block table.
 
         Built as a fill of -1 on the device plus one scatter of the live pages ``[first_live, length)``
         of each request: host work and the host->device copy are O(live pages), not O(context)."""
         tables = [self._tables.get(r) for r in request_ids]
-        width = max([1] + [t.length for t in tables if t is not None])
+        width = max([min_width] + [t.length for t in tables if t is not None])
         out = torch.full((len(request_ids), width), -1, dtype=torch.int32, device=device)
         live = [(row, t) for row, t in enumerate(tables) if t is not None and t.length > t.first_live]
         if live:

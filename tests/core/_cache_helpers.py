@@ -8,7 +8,7 @@ from dsv4 import PagedKVCache
 class PlannedOnly(PagedKVCache):
     """``PagedKVCache`` whose ``plan_step`` also calls ``mark_written(step)`` (every layer)."""
 
-    def plan_step(self, requests):
-        step = super().plan_step(requests)
+    def plan_step(self, requests, **kwargs):
+        step = super().plan_step(requests, **kwargs)
         self.mark_written(step)
         return step
