@@ -368,7 +368,7 @@ class Attention(nn.Module):
         return self._streams[x.device]
 
     def _indexer(self, calls: DirectOps | ModuleType, x: torch.Tensor, qr: torch.Tensor, step: Step,
-                 lc: LayerCache, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 lc: LayerCache, lo: int, hi: int, capturing: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6)."""
         cfg, md, be, idx = self.cfg, step.metadata, self.backends, self.indexer
         rm = md.ratios[self.kind.ratio]
@@ -377,7 +377,7 @@ class Attention(nn.Module):
             idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state, rm.state.block_table,
             rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight, self.cos_sin, lc.indexer_keys,
             rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim, out_format=key_format,
-            profile=self.profile, eps=cfg.rms_norm_eps, windows_in_call=md.windows_in_step(4),
+            profile=self.profile, eps=cfg.rms_norm_eps, windows_in_call=not capturing and md.windows_in_step(4),
             backend=be["compress_insert"])
         if hi == lo:
             return None, None
@@ -462,12 +462,13 @@ class Attention(nn.Module):
                         rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
                         lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
                         out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
-                        windows_in_call=md.windows_in_step(self.kind.ratio), backend=be["compress_insert"])
+                        windows_in_call=not capturing and md.windows_in_step(self.kind.ratio),  # replays differ
+                        backend=be["compress_insert"])
                 if self.indexer is None:  # HCA: every visible compressed entry
                     extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
                 else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                     with _on(streams, 1):
-                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lc, lo, hi)
+                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lc, lo, hi, capturing)
 
             # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
             # for all T tokens; only the rows' q is read below.

@@ -65,6 +65,29 @@ def test_layer_passes_the_windows_in_step_promise(monkeypatch):
     assert seen == [(4, True)] * 2 + [(4, False)] * 4 + [(4, True)] * 2
 
 
+def test_no_windows_promise_while_capturing(monkeypatch):
+    """A CUDA graph replays later steps whose windows reach back: a captured forward never promises
+    ``windows_in_call`` (the replay would hold the capture step's promise), though the step would allow it."""
+    import dsv4.layer as layer_module
+    from dsv4 import ops
+
+    seen = []
+    real = ops.compress_insert
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["windows_in_call"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "compress_insert", spy)
+    attn = tiny_layer(1)
+    attn.reserve_positions(64)
+    with torch.no_grad():
+        _run(attn, tiny_x(8), [8])  # a fresh prefill: the promise holds
+        monkeypatch.setattr(layer_module, "capturing_on", lambda device: True)
+        _run(attn, tiny_x(8), [8])
+    assert seen == [True, True, False, False]
+
+
 def test_mixed_batch_equals_requests_run_alone():
     attn = tiny_layer(2)
     xa, xb = tiny_x(200, seed=3), tiny_x(140, seed=4)
