@@ -238,14 +238,29 @@ class PagedKVCache:
                 "num_tokens", f"0 .. {length - start} (the tokens step #{serial} appended to request "
                 f"{request_id!r} and not rolled back)", int(num_tokens),
                 hint="only the latest step's tokens can be discarded")
-        pending = self._pending.get(serial)
-        if pending:
-            raise DSV4ValueError.of(
-                "request_id", "a request whose latest step every layer ran",
-                f"layers {sorted(pending)} still to run step #{serial}",
-                hint="run the step in every layer first (after replaying a CUDA graph: cache.mark_written(step))")
+        self._check_written("request_id", request_id)
         self.seq_lens[request_id] = length - int(num_tokens)
         return self.seq_lens[request_id]
+
+    def _check_written(self, argument: str, request_id: Hashable) -> None:
+        """Raise naming ``argument`` unless every layer ran ``request_id``'s latest step (``plan_step``,
+        ``rollback``), saying whether that step can still run."""
+        serial = self._epochs.get(request_id)
+        pending = self._pending.get(serial)
+        if pending and not self._runnable_after_frees(serial):
+            raise DSV4ValueError.of(
+                argument, "a request whose latest step every layer wrote",
+                f"layers {sorted(pending)} still to run step #{serial}, which can no longer run (request "
+                f"{self._freed[serial][0]!r} of it was freed and step #{self._planned} planned since)",
+                hint="free() this request and prefill it again (its rows of that step are missing in those layers)")
+        if pending:
+            raise DSV4ValueError.of(
+                argument, "a request whose latest step every layer wrote",
+                f"layers {sorted(pending)} still to run step #{serial} (never run, or a forward of it raised)",
+                hint="run that step in those layers (again, with a corrected input, where one raised: rows of a "
+                     "request you free may be zeros; it still runs after its other requests were freed, until "
+                     "the next plan), or free() the request and prefill it again; after writing the rows "
+                     "yourself or replaying a CUDA graph of the layers: cache.mark_written(step)")
 
     def free_pages(self) -> dict[str, int]:
         return {name: len(g.free_pages) for name, g in self.groups.items()}
@@ -376,24 +391,7 @@ class PagedKVCache:
                                         "after it .. max_position_embeddings)", int(pad_to))
             pad_to = int(pad_to)
         for r in ids:
-            pending = self._pending.get(self._epochs.get(r))
-            if pending and not self._runnable_after_frees(self._epochs[r]):
-                raise DSV4ValueError.of(
-                    f"requests[{r!r}]", "a request whose previous step every layer wrote",
-                    f"layers {sorted(pending)} still to run step #{self._epochs[r]}, which can no longer run "
-                    f"(request {self._freed[self._epochs[r]][0]!r} of it was freed and step #{self._planned} "
-                    "planned since)",
-                    hint="free() this request and prefill it again (its rows of that step are missing in those "
-                         "layers)")
-            if pending:
-                raise DSV4ValueError.of(
-                    f"requests[{r!r}]", "a request whose previous step every layer wrote",
-                    f"layers {sorted(pending)} still to run step #{self._epochs[r]} (never run, or a forward of it "
-                    "raised)",
-                    hint="run that step in those layers (again, with a corrected input, where one raised: rows of "
-                         "a request you free may be zeros; it still runs after its other requests were freed, "
-                         "until the next plan), or free() the request and prefill it again; after writing the "
-                         "rows yourself or replaying a CUDA graph of the layers: cache.mark_written(step)")
+            self._check_written(f"requests[{r!r}]", r)
 
         plans = {}
         for name, group in self.groups.items():

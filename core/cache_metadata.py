@@ -45,7 +45,7 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     token_request = token_request.to(dev)
 
     swa_group = groups["swa"]
-    swa_bt = _table(swa_group, ids, dev, pad_to)
+    swa_bt = _table(swa_group, ids, dev, pad_to, 1)
     W = window
     swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
     window_start = (positions - W + 1).clamp(min=0)
@@ -61,8 +61,8 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
             continue
         r = int(name[1:])
         comp, state = groups[name], groups[f"state{r}"]
-        comp_bt = _table(comp, ids, dev, None if pad_to is None else pad_to // r)
-        state_bt = _table(state, ids, dev, pad_to)
+        comp_bt = _table(comp, ids, dev, pad_to, r)
+        state_bt = _table(state, ids, dev, pad_to, 1)
         closes = (positions + 1) % r == 0
         entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
         hca_indices = hca_lens = topk_lens = None
@@ -99,16 +99,20 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     )
 
 
-def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, entries: int | None) -> torch.Tensor:
-    """``group``'s block table of the step, at least as wide as ``entries`` entries need (None: as wide as
-    its longest row)."""
-    if entries is None:
+def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None,
+           tokens_an_entry: int) -> torch.Tensor:
+    """``group``'s block table of the step: as wide as its longest row, or (``pad_to``) as wide as sequences
+    of ``pad_to`` tokens need (``tokens_an_entry``: r for a compressed group, else 1)."""
+    if pad_to is None:
         return group.table_tensor(ids, device)
-    width = max(1, -(-entries // group.block_size))
+    width = max(1, -(-(pad_to // tokens_an_entry) // group.block_size))
     table = group.table_tensor(ids, device, min_width=width)
     if table.shape[1] != width:
-        raise DSV4ValueError.of("pad_to", f"a length whose {group.name!r} pages cover every request's table "
-                                f"({width} pages of {group.block_size} entries)",
-                                f"a request holding {table.shape[1]} pages",
-                                hint="pad to the longest length plus the drafts a rollback may leave pages for")
+        held = table.shape[1]
+        request = next(r for r in ids if group.logical_pages(r) == held)
+        least = ((held - 1) * group.block_size + 1) * tokens_an_entry  # the least length that needs ``held`` pages
+        raise DSV4ValueError.of("pad_to", f"a length >= {least} (request {request!r} holds {held} {group.name!r} "
+                                f"pages of {group.block_size} entries)", pad_to,
+                                hint="a rollback leaves its pages with the request: pad to the longest length plus "
+                                     "the drafts")
     return table

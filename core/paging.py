@@ -69,6 +69,11 @@ class BlockPool:
         """``{request: [physical page of each logical page, -1 where freed]}``: a snapshot (tests, debugging)."""
         return {r: t.view().tolist() for r, t in self._tables.items()}
 
+    def logical_pages(self, request_id: Hashable) -> int:
+        """Length of ``request_id``'s table in pages (freed ones included; 0 for a request it has none of)."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else table.length
+
     def owned_pages(self) -> int:
         """Pages held by requests (``owned_pages() + len(free_pages) == num_blocks`` always)."""
         return sum(t.length - t.first_live for t in self._tables.values())

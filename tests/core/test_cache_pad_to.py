@@ -83,8 +83,22 @@ def test_pages_a_rollback_kept_past_pad_to_are_named_and_the_plan_undone():
     cache.plan_step([StepRequest("a", 6)])
     cache.rollback("a", 4)
     tables, free = cache.groups["swa"].tables, cache.free_pages()
-    with pytest.raises(DSV4ValueError, match=r"pad_to: expected a length whose 'swa' pages cover every request's "
-                                             r"table \(1 pages of 64 entries\).*got a request holding 2 pages"):
+    with pytest.raises(DSV4ValueError, match=r"pad_to: expected a length >= 65 \(request 'a' holds 2 'swa' pages of 64 "
+                                             r"entries\), got 63; a rollback leaves its pages"):
         cache.plan_step([StepRequest("a", 1)], pad_to=63)
     assert (cache.seq_lens, cache.groups["swa"].tables, cache.free_pages()) == ({"a": 62}, tables, free)
-    assert cache.plan_step([StepRequest("a", 1)], pad_to=70).metadata.swa.block_table.shape == (1, 2)
+    assert cache.plan_step([StepRequest("a", 1)], pad_to=65).metadata.swa.block_table.shape == (1, 2)
+
+
+def test_the_least_pad_to_named_for_a_compressed_group():
+    """A 130-token prefill rolled back whole: request b holds its c128 page (and c4, state pages); the
+    refusal names the least pad_to, which then plans."""
+    cache = PlannedOnly(CFG, [1, 2], num_blocks=64)
+    cache.plan_step([StepRequest("a", 3), StepRequest("b", 130)])
+    cache.rollback("b", 130)
+    with pytest.raises(DSV4ValueError, match=r"pad_to: expected a length >= (\d+) \(request 'b' holds") as error:
+        cache.plan_step([StepRequest("a", 1), StepRequest("b", 1)], pad_to=4)
+    least = int(error.value.expected.split()[3])
+    with pytest.raises(DSV4ValueError, match="pad_to: expected a length >="):
+        cache.plan_step([StepRequest("a", 1), StepRequest("b", 1)], pad_to=least - 1)
+    cache.plan_step([StepRequest("a", 1), StepRequest("b", 1)], pad_to=least)

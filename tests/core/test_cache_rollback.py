@@ -87,11 +87,29 @@ def test_rollback_waits_for_every_layer_to_run_the_step():
     cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
     step = cache.plan_step([StepRequest("a", 5)])
     cache.mark_written(step, 0)
-    with pytest.raises(DSV4ValueError, match=r"request_id: .*every layer ran.*got layers \[1, 2\] still to run step"):
+    with pytest.raises(DSV4ValueError, match=r"request_id: .*every layer wrote.*got layers \[1, 2\] still to run step "
+                                             r"#1 \(never run.*cache.mark_written\(step\)"):
         cache.rollback("a", 2)
     assert cache.seq_lens == {"a": 5}
     cache.mark_written(step)
     assert cache.rollback("a", 2) == 3
+
+
+def test_rollback_of_a_step_that_can_no_longer_run_says_free_and_prefill():
+    """Layer 0 ran a step of a and b; b was freed and another request planned: the step can no longer run,
+    so running it (or mark_written) is no remedy; the refusal says what is (as plan_step's does)."""
+    cache = PagedKVCache(CFG, [0, 1, 2], num_blocks=64)
+    step = cache.plan_step([StepRequest("a", 5), StepRequest("b", 5)])
+    cache.mark_written(step, 0)
+    cache.free("b")
+    cache.mark_written(cache.plan_step([StepRequest("c", 3)]))
+    message = (r"request_id: .*got layers \[1, 2\] still to run step #1, which can no longer run \(request 'b' of it "
+               r"was freed and step #3 planned since\).*free\(\) this request and prefill it again")
+    with pytest.raises(DSV4ValueError, match=message):
+        cache.rollback("a", 2)
+    with pytest.raises(DSV4ValueError, match=message.replace("request_id", r"requests\['a'\]")):
+        cache.plan_step([StepRequest("a", 1)])
+    assert cache.seq_lens == {"a": 5, "c": 3}
 
 
 def test_a_plan_undone_keeps_the_tokens_a_rollback_may_discard(monkeypatch):
