@@ -3,6 +3,7 @@ value checks it calls the selected backends directly, with the same bits as thro
 import pytest
 import torch
 from _layer_helpers import CFG, same_bytes, snapshot, tiny_layer, tiny_x
+from _spies import first_args
 from dsv4 import Attention, PagedKVCache, StepRequest, layer_dispatch, ops
 from dsv4.backends.reference import ReferenceBackend
 from dsv4.ops.dispatch import record_selections
@@ -17,21 +18,8 @@ def _direct(monkeypatch, on: bool) -> None:
     monkeypatch.setattr(layer_dispatch, "device_value_checks", lambda device: not on)
 
 
-def _spy(monkeypatch, owner, name: str) -> list:
-    """The first argument (the op) of every call of ``owner.name`` from now on."""
-    seen = []
-    real = getattr(owner, name)
-
-    def spy(op, *args, **kwargs):
-        seen.append(op)
-        return real(op, *args, **kwargs)
-
-    monkeypatch.setattr(owner, name, spy)
-    return seen
-
-
 def _count_custom_ops(monkeypatch) -> list:
-    return _spy(monkeypatch, ops, "_call")
+    return first_args(monkeypatch, ops, "_call")
 
 
 @torch.no_grad()
@@ -116,7 +104,7 @@ class _Counting(ReferenceBackend):
 
 def test_selection_is_made_once_and_made_again_when_anything_it_depends_on_changes(monkeypatch):
     _direct(monkeypatch, True)
-    resolved = _spy(monkeypatch, layer_dispatch, "resolve")
+    resolved = first_args(monkeypatch, layer_dispatch, "resolve")
     attn = tiny_layer(1)  # CSA: seven op calls a forward, compress_insert twice
     cache = PagedKVCache(CFG, [1], num_blocks=64)
 

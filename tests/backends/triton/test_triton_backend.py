@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _spies import first_args
 from _triton_helpers import cos_sin_table, poisoned_like
 from dsv4.backends.triton import TritonBackend
 from dsv4.codecs import get_codec
@@ -263,18 +264,6 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _launcher_q(monkeypatch, module, name: str) -> list[torch.Tensor]:
-    """Record the first argument (q / o) of each call of ``module.name``."""
-    real, seen = getattr(module, name), []
-
-    def spy(q, *args, **kwargs):
-        seen.append(q)
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
-    return seen
-
-
 def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
     from dsv4.backends.triton import qnorm_rope_insert as kernels
 
@@ -286,7 +275,7 @@ def test_qnorm_rope_insert_head_major_q(monkeypatch) -> None:
     cache = get_codec("fp8_ds_mla").allocate(1, 16)
     expected_cache = cache.clone()
     kw = {"kv_format": "fp8_ds_mla", "eps": 1e-6, "profile": "vllm"}
-    seen = _launcher_q(monkeypatch, kernels, "qnorm_rope_insert")
+    seen = first_args(monkeypatch, kernels, "qnorm_rope_insert")
     head_major = _head_major(q)
     got = TritonBackend().qnorm_rope_insert(head_major, kv, positions, cos_sin, cache, slots, **kw)
     want = TritonBackend().qnorm_rope_insert(q, kv, positions, cos_sin, expected_cache, slots, **kw)
@@ -308,7 +297,7 @@ def test_sparse_attention_head_major_q(monkeypatch) -> None:
     swa_idx = torch.randint(0, 32, (num_tokens, 32), dtype=torch.int32)
     swa_lens = torch.tensor([32, 3, 20], dtype=torch.int32)
     sink = torch.randn(heads)
-    seen = _launcher_q(monkeypatch, kernels, "sparse_attention")
+    seen = first_args(monkeypatch, kernels, "sparse_attention")
     head_major = _head_major(q)
     for splits in (1, 3):
         kw = {"kv_format": "fp8_ds_mla", "softmax_scale": 512 ** -0.5, "profile": "deepseek", "num_splits": splits}
@@ -326,7 +315,7 @@ def test_output_projection_head_major_o(monkeypatch) -> None:
     positions, cos_sin = torch.tensor([7, 12, 3]), cos_sin_table(16)
     wo_a = (torch.randn(64, 2 * 512) * 0.02).to(torch.bfloat16)
     wo_b = (torch.randn(48, 64) * 0.2).to(torch.bfloat16)
-    seen = _launcher_q(monkeypatch, kernels, "output_projection")
+    seen = first_args(monkeypatch, kernels, "output_projection")
     head_major = _head_major(o)
     got = TritonBackend().output_projection(head_major, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
     want = TritonBackend().output_projection(o, positions, cos_sin, wo_a, wo_b, fp8_activations=True)
