@@ -5,8 +5,9 @@ are collected and sorted; rows with more than KC such entries (many ties, or a c
 than the threshold admits) fall back to a bisection on the row and an ordered compaction, which emits
 the entries above its upper bound in index order (SPEC §6.3 leaves the order open). Rows of at most
 ``REG_MAX`` entries are held in registers whole (``_topk_reg_kernel``: one load, in-register bisection,
-one scan places the candidates); longer rows are streamed in chunks (``_topk_kernel``). See
-``topk_indices``.
+one scan places the candidates); longer rows are streamed in chunks (``_topk_kernel``). With per-row
+lengths (``row_lens``, e.g. a padded block table's real entries) every kernel reads a row's first entries
+only and loops over them alone. See ``topk_indices``.
 """
 from __future__ import annotations
 
@@ -123,10 +124,11 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
-                 WAYS: tl.constexpr, KC: tl.constexpr):
+def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
+                 WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
-    then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score).
+    then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score). HAS_LENS: only
+    the row's first ``lens[t]`` entries (int32 [T]) are read, every loop bounded by them.
 
     1. Max order key of each group of G entries -> ``gkeys`` [T, ng_stride] int32; tau = a key with at
        least k group maxima >= tau (bisection on the maxima), so at least k entries are >= tau.
@@ -137,6 +139,7 @@ def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.const
     t = tl.program_id(0).to(tl.int64)
     NCH: tl.constexpr = min(CH, 512)  # bisection chunk ([NCH, WAYS] counters in registers)
     row = logits + t * n
+    n = _row_len(lens, t, n, HAS_LENS)  # from here on, the entries of the row read
     grow = gkeys + t * ng_stride
     offs = tl.arange(0, CH)
     ng = (n + G - 1) // G
@@ -180,21 +183,40 @@ def _topk_kernel(logits, n, out, gkeys, ng_stride, cand, counter, k, G: tl.const
 
 
 @triton.jit
-def _topk_reg_kernel(logits, n, out, gkeys, cand, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                     WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr):
-    """``_topk_kernel`` for rows of n <= NP entries held in registers whole ([NP // G, G] order keys).
+def _topk_reg_kernel(logits, n, lens, out, gkeys, cand, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                     WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr,
+                     HAS_LENS: tl.constexpr):
+    """Program t: row t of logits [T, n] fp32 by ``_select_in_registers``; HAS_LENS: its first ``lens[t]``
+    entries only (int32 [T]), and a row of at most KC of them takes one sort (``_sort_row``; the same result:
+    such a row never has more than KC candidates), so a padded row costs what its entries cost."""
+    t = tl.program_id(0).to(tl.int64)
+    row = logits + t * n
+    if HAS_LENS:
+        n = _row_len(lens, t, n, HAS_LENS)
+        if n <= KC:
+            _sort_row(row, n, out + t * k, k, KC)
+        else:
+            _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG,
+                                 WAYS, KC, NT, THREAD_SCAN)
+    else:
+        _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG, WAYS,
+                             KC, NT, THREAD_SCAN)
+
+
+@triton.jit
+def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                         WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr):
+    """``_topk_kernel`` for a row ``row[:n]`` fp32 of n <= NP entries held in registers whole ([NP // G, G]
+    order keys) -> ``out_row`` [k] int32.
 
     One load of the row (every load in flight at once); the maxima of groups of BG entries [NP // BG] go
-    through ``gkeys`` [T, NP // BG] int32 into a compact layout and are bisected in registers
-    (``_narrow_reg``); the indices of the entries >= tau go to ``cand`` [T, 2 * KC] int32 (second half) at
+    through ``grow`` [NP // BG] int32 into a compact layout and are bisected in registers
+    (``_narrow_reg``); the indices of the entries >= tau go to ``crow`` [2 * KC] int32 (second half) at
     slots from one scan of per-thread counts (THREAD_SCAN, NT threads) or of the counts of groups of G
     entries, both in index order; their keys are re-read from the row for the sort (``_emit_sorted``).
     """
-    t = tl.program_id(0).to(tl.int64)
     NG: tl.constexpr = NP // G
     lowest = -2147483648
-    row = logits + t * n
-    out_row = out + t * k
     e = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G] entry index
     key = _ordered_key(tl.load(row + e, mask=e < n, other=float("-inf")))
     gmax = tl.max(key, 1)
@@ -204,9 +226,9 @@ def _topk_reg_kernel(logits, n, out, gkeys, cand, k, NP: tl.constexpr, G: tl.con
     hi = tl.max(gmax, 0).to(tl.int64) + 1  # max key + 1, kept for the fallback
     tau = lowest + 1  # fewer than k valid groups: every valid entry is a candidate
     gi = tl.arange(0, NP // BG)
-    tl.store(gkeys + t * (NP // BG) + gi, gmax)
+    tl.store(grow + gi, gmax)
     tl.debug_barrier()
-    gk = tl.load(gkeys + t * (NP // BG) + gi)  # the maxima again, a few a thread instead of replicated
+    gk = tl.load(grow + gi)  # the maxima again, a few a thread instead of replicated
     if groups >= k:
         lo = tl.min(tl.where(gk > lowest, gk, 2147483647), 0).to(tl.int64)
         tau = _narrow_reg(gk, k, lo, hi, groups, groups * 0, k // 4, WAYS)[0].to(tl.int32)
@@ -221,7 +243,7 @@ def _topk_reg_kernel(logits, n, out, gkeys, cand, k, NP: tl.constexpr, G: tl.con
         slot = tl.reshape(b2[:, :, None] + tl.cumsum(tk3, 2) - 1, (NG, G))
     else:
         slot = (tl.cumsum(cnt, 0) - cnt)[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-    crow = cand + t * (2 * KC)  # int32 [2 * KC]: indices in the second half
+    # crow: int32 [2 * KC], indices in the second half
     tl.store(crow + KC + slot, e, mask=take & (slot < KC))
     tl.debug_barrier()
     if total <= KC:
@@ -231,15 +253,30 @@ def _topk_reg_kernel(logits, n, out, gkeys, cand, k, NP: tl.constexpr, G: tl.con
 
 
 @triton.jit
-def _topk_sort_kernel(logits, n, out, k, NP: tl.constexpr):
-    """Rows of at most NP entries: one sort of the whole row's (order key << 32 | index), descending;
-    the first k valid are the answer, as ``_topk_kernel`` orders them (score, then the higher index)."""
+def _topk_sort_kernel(logits, n, lens, out, k, NP: tl.constexpr, HAS_LENS: tl.constexpr):
+    """Rows of at most NP entries (HAS_LENS: row t's first ``lens[t]``, int32 [T]): ``_sort_row``."""
     t = tl.program_id(0).to(tl.int64)
+    _sort_row(logits + t * n, _row_len(lens, t, n, HAS_LENS), out + t * k, k, NP)
+
+
+@triton.jit
+def _sort_row(row, n, out_row, k, NP: tl.constexpr):
+    """``row[:n]`` fp32 (n <= NP): one sort of the (order key << 32 | index), descending; the first k valid are
+    ``out_row`` [k] int32, as ``_topk_kernel`` orders them (score, then the higher index), then -1."""
     r = tl.arange(0, NP)
-    key = _ordered_key(tl.load(logits + t * n + r, mask=r < n, other=float("-inf")))
+    key = _ordered_key(tl.load(row + r, mask=r < n, other=float("-inf")))
     best = tl.sort((key.to(tl.int64) << 32) | r.to(tl.int64), 0, descending=True)
     valid = (best >> 32) > -2147483648
-    tl.store(out + t * k + r, tl.where(valid, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=r < k)
+    tl.store(out_row + r, tl.where(valid, (best & 0x7FFFFFFF).to(tl.int32), -1), mask=r < k)
+
+
+@triton.jit
+def _row_len(lens, t, n, HAS_LENS: tl.constexpr):
+    """The entries of row t read: ``lens[t]`` clamped to [0, n] (HAS_LENS; the rest are invalid), else n."""
+    if HAS_LENS:
+        return tl.minimum(tl.maximum(tl.load(lens + t), 0), n)
+    else:
+        return n
 
 
 REG_MAX = 32768  # longest row held in registers whole (64 order keys a thread at 16 warps)
@@ -248,10 +285,14 @@ _PLACE_GROUP = 4  # entries a group of the in-register candidate scan
 
 def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, ways: int | None = None,
                  candidates: int | None = None, group: int | None = None, num_warps: int | None = None,
-                 sort_max: int | None = None, reg_max: int | None = None) -> torch.Tensor:
+                 sort_max: int | None = None, reg_max: int | None = None,
+                 row_lens: torch.Tensor | None = None) -> torch.Tensor:
     """[T, topk] int32: per row the indices of the ``topk`` largest finite logits (by score), then -1.
 
-    ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). Exact selection; valid entries by descending
+    ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). ``row_lens`` int32 [T]: row t holds entries
+    ``[0, row_lens[t])`` (clamped to [0, n]); the rest count as invalid and are never read (whatever they
+    hold), so a row costs what its entries cost, not n (the in-register kernel sorts a row of at most
+    ``candidates`` entries at once; same result). Exact selection; valid entries by descending
     score, then the higher index among equal scores (rows with more than ``candidates`` entries at the
     threshold, i.e. many ties, take an ordered-compaction fallback instead). Rows no longer than the
     candidate buffer (``n <= candidates``, e.g. 1024 entries at 4K context) take one sort of the row
@@ -271,9 +312,11 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     if n == 0:
         return out.fill_(-1)
     kc = next_pow2(max(candidates or 1024, 2 * topk if candidates is None else topk))
+    lens = {"lens": out if row_lens is None else row_lens, "HAS_LENS": row_lens is not None}
     if n <= (kc if sort_max is None else sort_max):
         extra = {} if INTERPRET else {"num_warps": num_warps or 8}
-        _topk_sort_kernel[(num_tokens,)](logits, n, out, topk, NP=max(next_pow2(n), next_pow2(topk)), **extra)
+        _topk_sort_kernel[(num_tokens,)](logits, n, out=out, k=topk, NP=max(next_pow2(n), next_pow2(topk)), **lens,
+                                         **extra)
         return out
     g = group or max(1, min(16, next_pow2(n // (2 * topk) + 1) // 2))
     extra = {} if INTERPRET else {"num_warps": num_warps or 16}
@@ -283,15 +326,16 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
         pg = min(_PLACE_GROUP, g)
         nt = 32 * extra.get("num_warps", 4)
         gkeys = torch.empty((num_tokens, np_ // g), dtype=torch.int32, device=logits.device)
-        _topk_reg_kernel[(num_tokens,)](logits, n, out, gkeys, cand.view(torch.int32), topk, NP=np_, G=pg, BG=g,
-                                        WAYS=ways or 8, KC=kc, NT=nt, THREAD_SCAN=(np_ // pg) % nt == 0, **extra)
+        _topk_reg_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, cand=cand.view(torch.int32), k=topk, NP=np_,
+                                        G=pg, BG=g, WAYS=ways or 8, KC=kc, NT=nt, THREAD_SCAN=(np_ // pg) % nt == 0,
+                                        **lens, **extra)
         return out
     ch = max(chunk or (64 if INTERPRET else 2048), g)
     ng = -(-n // g)
     gkeys = torch.empty((num_tokens, ng), dtype=torch.int32, device=logits.device)
     counter = torch.empty((num_tokens,), dtype=torch.int32, device=logits.device)
-    _topk_kernel[(num_tokens,)](logits, n, out, gkeys, ng, cand, counter, topk, G=g, CH=ch, WAYS=ways or 16,
-                                KC=kc, **extra)
+    _topk_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, ng_stride=ng, cand=cand, counter=counter, k=topk,
+                                G=g, CH=ch, WAYS=ways or 16, KC=kc, **lens, **extra)
     return out
 
 

@@ -1,6 +1,7 @@
 """Triton top-k selection (backends/triton/topk.py) vs an exact CPU top-k, under the interpreter."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -131,3 +132,36 @@ def test_local_to_global_is_the_metadata_conversion(monkeypatch) -> None:
     slots, lens = topk.local_to_global(torch.zeros((3, 0), dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
                                        table, 4)
     assert slots.shape == (3, 0) and lens.tolist() == [0, 0, 0]
+
+
+_VARIANTS = {"sort": {}, "register": {"candidates": 64}, "register_groups": {"candidates": 64, "group": 8},
+             "chunked": {"candidates": 64, "reg_max": 0, "chunk": 64}}
+
+
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_topk_row_lens_read_only_the_row(variant: str) -> None:
+    """``row_lens``: every kernel (one sort of the row; in registers, where a row of at most ``candidates``
+    entries takes one sort; chunked) gives, bit for bit, what it gives without lengths on rows whose tails
+    are -inf, and the same again when the tails hold garbage (+inf, huge, NaN, ties): nothing past a row's
+    length is read. Rows shorter than / as long as / longer than k, empty, past n (clamped), with heavy
+    ties at the cut (the fallback of the threshold kernels) and NaNs inside."""
+    from dsv4.backends.triton.topk import topk_indices
+
+    k, n = 24, 200 if variant == "sort" else 600
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([n, 0, 5, k, k + 1, 60, 65, 150, n - 1, 3 * n, 400 % n, 17], dtype=torch.int32)
+    logits = torch.randn(lens.numel(), n, generator=g)
+    logits[5] = torch.randint(0, 3, (n,), generator=g).float()  # heavy ties across the k-th value
+    logits[7] = 1.0  # all equal: the fallback's ordered compaction where the row is long
+    logits[8, ::7] = float("nan")
+    logits[10, 1::3] = float("-inf")
+    in_row = torch.arange(n)[None, :] < lens[:, None]
+    clean = torch.where(in_row, logits, float("-inf"))
+    kwargs = _VARIANTS[variant]
+    want = topk_indices(clean, k, **kwargs)
+    assert torch.equal(topk_indices(clean, k, row_lens=lens, **kwargs), want)
+    for garbage in (float("inf"), 1e30, float("nan"), 1.0):
+        dirty = torch.where(in_row, logits, garbage)
+        assert torch.equal(topk_indices(dirty, k, row_lens=lens, **kwargs), want), garbage
+    assert torch.all(want[1] == -1) and torch.equal(want[2, 5:], torch.full((k - 5,), -1, dtype=torch.int32))
+    assert torch.all(want[lens > k][:, -1] >= 0)
