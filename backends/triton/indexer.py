@@ -216,8 +216,8 @@ def _fp8_tiles(codes_row, heads, head_ok, w2, bt_row, f32_ptr, block_size, page_
 @triton.jit
 def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_request, block_table, stride_bt,
                            u8_ptr, f32_ptr, block_size, page_stride, value_bytes, scale_offset, scale_bytes,
-                           logits, max_entries, chunk, ratio, topk, num_heads, codes_ptr, w2_ptr, exact_ptr,
-                           key_desc, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
+                           logits, max_entries, chunk, min_tiles, row_lens, ratio, topk, num_heads, codes_ptr,
+                           w2_ptr, exact_ptr, key_desc, BOUNDED: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MXFP4: tl.constexpr,
                            QBLOCK: tl.constexpr, HW_E4M3: tl.constexpr, FP8: tl.constexpr,
                            IMPRECISE: tl.constexpr, PAGE_TILE: tl.constexpr, PREFETCH: tl.constexpr,
                            W: tl.constexpr, MX_FP16: tl.constexpr, TMA: tl.constexpr, MX_SCALED: tl.constexpr,
@@ -227,11 +227,27 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
     pages (the bytes floor), logits written once. FP8: when the token's q is exactly e4m3 after its shift
     (``exact_ptr``, see _q_codes_kernel; always for FP4- / FP8-quantized q) fp8 keys take the fp8 MMAs
     (``_fp8_tiles``) and mxfp4 keys one bf16 MMA a tile (``_mx_tiles``; MX_SCALED: one ``tl.dot_scaled``,
-    ``_mx_tiles_scaled``); else the bf16 path. W: warps."""
+    ``_mx_tiles_scaled``); else the bf16 path. W: warps.
+
+    BOUNDED: a row holds its first ``row_len = min(visible, max_entries)`` entries only, stored to
+    ``row_lens`` [T] int32, nothing written past them (a padded block table costs nothing), and the
+    ranges are the token's own: its tiles over at most the grid's splits, at least ``min_tiles`` tiles a
+    range (the host's rule for a whole row, applied to this row); programs past the row exit. Else
+    ``chunk`` entries a program over the whole row, -inf past the visible entries."""
     t = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, max_entries)
     visible = ((tl.load(positions + t) + 1) // ratio).to(tl.int32)  # SPEC §6.3: entries j < (p+1)//r
+    if BOUNDED:
+        row_len = tl.minimum(visible, max_entries)
+        if tl.program_id(1) == 0:
+            tl.store(row_lens + t, row_len)
+        tiles = (row_len + BN - 1) // BN
+        ranges = tl.maximum(1, tl.minimum(tl.num_programs(1), tiles // min_tiles))
+        span = (tiles + ranges - 1) // ranges * BN  # whole tiles: the unbounded kernel's tiles, same values
+        lo = tl.program_id(1) * span
+        hi = tl.minimum(lo + span, row_len)
+    else:
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(lo + chunk, max_entries)
     out_row = logits + t * max_entries
     offs = tl.arange(0, BN)
     if visible <= topk:
@@ -239,7 +255,7 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
         for start in range(lo, hi, BN):
             j = start + offs
             tl.store(out_row + j, tl.where(j < visible, 0.0, float("-inf")), mask=j < hi)
-    else:
+    elif lo < hi:  # (BOUNDED: a range past the row does nothing)
         scored_end = tl.minimum(hi, visible)
         bt_row = block_table + tl.load(token_request + t).to(tl.int64) * stride_bt
         heads = tl.arange(0, HP)
@@ -357,8 +373,12 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
                    num_warps: int | None = None, num_stages: int | None = None, fp8: bool | None = None,
                    imprecise: int | None = None, maxnreg: int | None = None,
                    prefetch: int = 1, mx_fp16: bool = False, tma: bool | None = None,
-                   mx_scaled: bool | None = None) -> torch.Tensor:
+                   mx_scaled: bool | None = None, row_lens: torch.Tensor | None = None) -> torch.Tensor:
     """logits [T, mb*B] fp32: scores of visible entries, -inf elsewhere (0 on short-context rows).
+
+    ``row_lens`` (int32 [T], written): each row's entry count ``min((p+1)//r, mb*B)``; the logits past it are
+    then left unwritten (for ``topk_indices(row_lens=...)``) and each token's programs share its own entries,
+    so the cost follows the visible entries, not the table's width (a block table padded for CUDA graphs).
 
     q [T, heads, 128] bf16, w [T, heads] fp32; keys read in place from ``key_cache`` (uint8 pages).
     ``fp8``: the e4m3-code path where q is exact (default: where the device has fp8 MMAs, and under the
@@ -378,6 +398,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     max_entries = key_block_table.shape[1] * layout.block_size
     logits = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_entries == 0:
+        if row_lens is not None:
+            row_lens.zero_()
         return logits
     facts = device_facts(q.device)
     meta, extra = logits_launch(facts, layout, key_cache, dim, heads, block_entries=block_entries, fp8=fp8,
@@ -397,10 +419,14 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
     codes, w2, exact = q_codes(q, w, mxfp4=mxfp4 and not meta["MX_SCALED"]) if fp8 else (q, w, w)
     desc = key_descriptor(key_cache, layout, bn) if meta["TMA"] else None
+    # BOUNDED: the rule above per token (its own tiles, at most `splits` ranges of >= 4 tiles; any number of
+    # tiles with num_splits given)
+    min_tiles = 1 if num_splits else 4
     _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
-        key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, ratio, topk, heads, codes, w2, exact,
-        desc, **meta, **extra)
+        key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, min_tiles,
+        logits if row_lens is None else row_lens, ratio, topk, heads, codes, w2, exact, desc,
+        BOUNDED=row_lens is not None, **meta, **extra)
     return logits
 
 
@@ -413,10 +439,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     "torch" (``torch.topk``); ``tuning`` goes to indexer_logits.
     """
     num_tokens = q.shape[0]
+    row_lens = torch.empty((num_tokens,), dtype=torch.int32, device=q.device) if select == "triton" else None
     logits = indexer_logits(q, w, positions, token_request, key_cache, layout, key_block_table,
-                            topk=topk, ratio=ratio, **tuning)
-    if select == "triton":
-        return topk_indices(logits, topk)
+                            topk=topk, ratio=ratio, row_lens=row_lens, **tuning)
+    if select == "triton":  # rows read to their visible entries only: a padded table costs nothing
+        return topk_indices(logits, topk, row_lens=row_lens)
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     k = min(topk, logits.shape[1])
     if num_tokens == 0 or k == 0:
