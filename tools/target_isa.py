@@ -74,7 +74,7 @@ def indexer_mx_constexprs(target: str) -> tuple[dict, dict]:
     cache = get_codec("indexer_mxfp4").allocate(1, BLOCK)
     constexprs, options = logits_launch(facts_of(props, hip=backend == "hip"), key_layout("indexer_mxfp4", cache),
                                         cache, 128, 64)
-    return {**constexprs, "key_desc": None}, options
+    return {**constexprs, "key_desc": None, "BOUNDED": True}, options  # BOUNDED: as indexer_topk launches it
 
 
 def indexer_mx_mmas(target: str) -> collections.Counter:
@@ -89,10 +89,10 @@ def indexer_mx_mmas(target: str) -> collections.Counter:
     entries = 32768
     ints = {"stride_qt": 64 * 128, "stride_qh": 128, "stride_bt": entries // BLOCK, "block_size": BLOCK,
             "page_stride": BLOCK * 68, "value_bytes": 64, "scale_offset": BLOCK * 64, "scale_bytes": 4,
-            "max_entries": entries, "chunk": 1024, "ratio": 4, "topk": 512, "num_heads": 64}
+            "max_entries": entries, "chunk": 1024, "min_tiles": 4, "ratio": 4, "topk": 512, "num_heads": 64}
     ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "positions": "*i64", "token_request": "*i32", "block_table": "*i32",
             "u8_ptr": "*u8", "f32_ptr": "*fp32", "logits": "*fp32", "codes_ptr": "*u8", "w2_ptr": "*fp32",
-            "exact_ptr": "*i32"}
+            "exact_ptr": "*i32", "row_lens": "*i32"}
     sig, attrs = _signature(fn, constexprs, ints, ptrs)
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget(backend, arch, warp), options=options)
