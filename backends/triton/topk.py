@@ -166,16 +166,13 @@ def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl
         lo = tl.min(gmin_acc, 0).to(tl.int64)
         tau = _narrow(grow, ng, k, lo, hi, groups, groups * 0, k // 4, False, NCH, WAYS)[0].to(tl.int32)
     crow = cand + t * KC
-    x_next = tl.load(row + offs, mask=offs < n, other=float("-inf"))
-    for s in range(0, n, CH):
-        j = s + offs
-        key = _ordered_key(x_next)
-        x_next = tl.load(row + j + CH, mask=j + CH < n, other=float("-inf"))  # one chunk ahead
-        take = key >= tau
-        slot = tl.atomic_add(counter + t + offs * 0, 1, mask=take, sem="relaxed", scope="cta")
-        tl.store(crow + slot, (key.to(tl.int64) << 32) | j.to(tl.int64), mask=take & (slot < KC))
-    tl.debug_barrier()
-    total = tl.atomic_add(counter + t, 0, sem="relaxed", scope="cta")
+    total = _collect(row, n, crow, counter + t, tau, CH, KC)
+    if HAS_LENS:  # noqa: SIM102 - a compile-time guard (only with row lengths; see _bisect_row)
+        if (total > KC) & (groups < k):
+            tau = _bisect_row(row, n, k, tau, hi, total, KC, WAYS)
+            tl.store(counter + t, 0)
+            tl.debug_barrier()
+            total = _collect(row, n, crow, counter + t, tau, CH, KC)
     if total <= KC:
         _emit_sorted(crow, out + t * k, total, k, KC)
     else:
@@ -197,15 +194,42 @@ def _topk_reg_kernel(logits, n, lens, out, gkeys, cand, k, NP: tl.constexpr, G: 
             _sort_row(row, n, out + t * k, k, KC)
         else:
             _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG,
-                                 WAYS, KC, NT, THREAD_SCAN)
+                                 WAYS, KC, NT, THREAD_SCAN, True)
     else:
         _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG, WAYS,
-                             KC, NT, THREAD_SCAN)
+                             KC, NT, THREAD_SCAN, False)
+
+
+@triton.jit
+def _collect(row, n, crow, count, tau, CH: tl.constexpr, KC: tl.constexpr):
+    """Entries of ``row[:n]`` fp32 with order key >= tau -> ``crow`` [KC] int64 (key << 32 | index) at slots of
+    the atomic counter ``count`` (0 on entry): returns their count (all of them, stored or not)."""
+    offs = tl.arange(0, CH)
+    x_next = tl.load(row + offs, mask=offs < n, other=float("-inf"))
+    for s in range(0, n, CH):
+        j = s + offs
+        key = _ordered_key(x_next)
+        x_next = tl.load(row + j + CH, mask=j + CH < n, other=float("-inf"))  # one chunk ahead
+        take = key >= tau
+        slot = tl.atomic_add(count + offs * 0, 1, mask=take, sem="relaxed", scope="cta")
+        tl.store(crow + slot, (key.to(tl.int64) << 32) | j.to(tl.int64), mask=take & (slot < KC))
+    tl.debug_barrier()
+    return tl.atomic_add(count, 0, sem="relaxed", scope="cta")
+
+
+@triton.jit
+def _bisect_row(row, n, k, tau, hi, total, KC: tl.constexpr, WAYS: tl.constexpr):
+    """A threshold with k..KC-1 entries of ``row[:n]`` at or above it, by bisection on the entries, for a row
+    whose group maxima were fewer than k (tau = the lowest valid key; ``total`` >= KC valid entries; ``hi``:
+    max key + 1): with ``row_lens``, where a row far shorter than the width got the width's coarse groups,
+    instead of the many-ties fallback (the result the row's own grouping gives: candidates sorted)."""
+    return _narrow(row, n, k, tau.to(tl.int64), hi, total, total * 0, KC - k, True, 512, WAYS)[0].to(tl.int32)
 
 
 @triton.jit
 def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                         WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr):
+                         WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr,
+                         BISECT_ROW: tl.constexpr):
     """``_topk_kernel`` for a row ``row[:n]`` fp32 of n <= NP entries held in registers whole ([NP // G, G]
     order keys) -> ``out_row`` [k] int32.
 
@@ -214,6 +238,7 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     (``_narrow_reg``); the indices of the entries >= tau go to ``crow`` [2 * KC] int32 (second half) at
     slots from one scan of per-thread counts (THREAD_SCAN, NT threads) or of the counts of groups of G
     entries, both in index order; their keys are re-read from the row for the sort (``_emit_sorted``).
+    BISECT_ROW: see ``_bisect_row``.
     """
     NG: tl.constexpr = NP // G
     lowest = -2147483648
@@ -233,6 +258,11 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
         lo = tl.min(tl.where(gk > lowest, gk, 2147483647), 0).to(tl.int64)
         tau = _narrow_reg(gk, k, lo, hi, groups, groups * 0, k // 4, WAYS)[0].to(tl.int32)
     take = key >= tau
+    if BISECT_ROW:
+        total = tl.sum(tl.sum(take.to(tl.int32), 1), 0)
+        if (total > KC) & (groups < k):
+            tau = _bisect_row(row, n, k, tau, hi, total, KC, WAYS)
+            take = key >= tau
     cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
     total = tl.sum(cnt, 0)
     if THREAD_SCAN:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
