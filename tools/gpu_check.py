@@ -275,14 +275,22 @@ def chk_indexer_topk(key_format: str, topk: int = 512, context: int = 8192, t: i
     return f"max logit error {worst:.2e} of the row maximum" if served_q else ""
 
 
-def chk_indexer_graph(key_format: str, context: int = 8192, t: int = 16):
+def chk_indexer_graph(key_format: str, context: int = 8192, t: int = 16, wide: int = 1):
     """indexer_topk with served q captured in a CUDA graph (fp8 keys: TMA boxes, descriptors baked into the
-    graph), replayed with new q / w copied into its input buffers: equal to eager calls, bit for bit."""
+    graph), replayed with new q / w copied into its input buffers: equal to eager calls, bit for bit. ``wide``:
+    the graph's key table that many times wider (as ``plan_step(pad_to=)`` pads it; stale pages of NaN keys
+    past the real ones), the eager calls on the real table."""
     from dsv4.backends.triton.indexer_tma import tma_usable
     from dsv4.backends.triton.layout import key_layout
 
     entries = context // 4
     _, cache, table = _key_cache(key_format, entries, 64)
+    graph_table = table
+    if wide > 1:
+        pages = table.shape[1]
+        cache = torch.cat([cache, torch.full((pages, cache.shape[1]), 0xFF, dtype=cache.dtype, device=DEV)])
+        stale = torch.randint(2 * pages, 3 * pages, (2, pages * (wide - 1)), device=DEV, dtype=torch.int32)
+        graph_table = torch.cat([table, stale], 1)
     pos = torch.randint(entries, context, (t,), device=DEV)
     req = torch.randint(0, 2, (t,), device=DEV, dtype=torch.int32)
     profile = "deepseek" if key_format == "indexer_mxfp4" else "vllm"
@@ -292,7 +300,7 @@ def chk_indexer_graph(key_format: str, context: int = 8192, t: int = 16):
         return B.indexer_q(q, torch.randn(t, 64, device=DEV).to(torch.bfloat16), pos, cos_sin(context), profile=profile)
 
     q_buf, w_buf = served()
-    call = lambda: B.indexer_topk(q_buf, w_buf, pos, req, cache, table, topk=512, key_format=key_format)
+    call = lambda: B.indexer_topk(q_buf, w_buf, pos, req, cache, graph_table, topk=512, key_format=key_format)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -308,7 +316,7 @@ def chk_indexer_graph(key_format: str, context: int = 8192, t: int = 16):
         graph.replay()
         assert torch.equal(out, B.indexer_topk(q, w, pos, req, cache, table, topk=512, key_format=key_format))
     tma = key_format == "indexer_fp8" and tma_usable(cache, key_layout(key_format, cache), 64)
-    return f"graph == eager (2 replays); TMA boxes: {tma}"
+    return f"graph == eager (2 replays, table {wide}x wide); TMA boxes: {tma}"
 
 
 def chk_kv_score(tokens: int):
@@ -453,6 +461,8 @@ def main() -> None:
               "indexer_mxfp4", 512, context, t, True, True)
     for fmt in ("indexer_fp8", "indexer_mxfp4"):
         check(f"indexer_topk {fmt} served q in a CUDA graph", chk_indexer_graph, fmt)
+        check(f"indexer_topk {fmt} served q in a CUDA graph, key table 8x / 64x wide (stale NaN pages)",
+              lambda f: chk_indexer_graph(f, wide=8) + "; " + chk_indexer_graph(f, 2048, 64, 64), fmt)
     for fp8 in (False, True):
         check(f"output_projection fp8={fp8}", chk_output, fp8)
     check("layer RMSNorm fused on CUDA", chk_rmsnorm)
