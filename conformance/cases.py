@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -275,9 +275,9 @@ def _slots_block_table(table: torch.Tensor) -> torch.Tensor:
     """The compressed group's block table ``indexer_topk_slots`` runs with (int32 ``[R, max(1, mb // 2)]``):
     the key block table ``[R, mb]`` with every third page unallocated (-1, from page 1) and its second half cut
     off, so that top-k entries on missing pages and past the table (-1 slots) occur."""
-    holed = table.clone()
+    holed = table[:, : max(1, table.shape[1] // 2)].clone()
     holed[:, 1::3] = -1
-    return holed[:, : max(1, holed.shape[1] // 2)].clone()
+    return holed
 
 
 def _index_rows(g: torch.Generator, lens: list[int], width: int, pool: int, holes: bool) -> torch.Tensor:
@@ -437,19 +437,7 @@ def prepare_to(prepared: Prepared, device: torch.device | str) -> Prepared:
     """``prepared`` with every input on ``device`` (tensors shared between steps stay shared); a new
     ``Prepared`` off the CPU, ``prepared`` itself (unchanged) on it. Not a private copy on the CPU: a backend
     runs on :func:`private_copy`."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return prepared
-    moved: dict[int, torch.Tensor] = {}
-
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in moved:
-                moved[id(x)] = x.to(device)
-            return moved[id(x)]
-        return x
-
-    return replace(prepared, steps=[(tuple(move(a) for a in args), kwargs) for args, kwargs in prepared.steps])
+    return prepared if torch.device(device).type == "cpu" else private_copy(prepared, device)
 
 
 def private_copy(prepared: Prepared, device: torch.device | str | None = None) -> Prepared:
@@ -477,7 +465,8 @@ def execute(prepared: Prepared, run: Callable[..., Any]) -> dict[str, torch.Tens
     outputs: dict[str, torch.Tensor] = {}
     for i, name in enumerate(prepared.returns):
         parts = [r[i] if isinstance(r, tuple) else r for r in results]
-        outputs[name] = torch.cat([p.detach().cpu() for p in parts], 0)
+        if all(isinstance(p, torch.Tensor) for p in parts):  # else the layout metric names what came
+            outputs[name] = torch.cat([p.detach().cpu() for p in parts], 0)
     for name, (index, _fmt) in prepared.caches.items():
         outputs[name] = prepared.steps[0][0][index][prepared.leading.get(index, 0):].detach().cpu()
     return outputs

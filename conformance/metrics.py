@@ -49,7 +49,6 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     nan_mismatch = int((a.isnan() != e.isnan()).sum())
     inf_mismatch = int(((a == math.inf) != (e == math.inf)).sum() + ((a == -math.inf) != (e == -math.inf)).sum())
-    special = _special_mismatch(a, e)
     finite = a.isfinite() & e.isfinite()
     same_special = (~a.isfinite()) & (~e.isfinite()) & ((a == e) | (a.isnan() & e.isnan()))
     diff = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
@@ -78,7 +77,7 @@ def compare_tensor(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance)
     metrics["cos_diff"] = cosine_difference(torch.where(finite, a, zero), torch.where(finite, e, zero))
     reasons = []
     if nan_mismatch or inf_mismatch:
-        where = _where(int(special.flatten().nonzero()[0]), a.shape)
+        where = _where(int(_special_mismatch(a, e).flatten().nonzero()[0]), a.shape)
         reasons.append(f"NaN/Inf positions differ ({nan_mismatch} NaN, {inf_mismatch} Inf; first at {where})")
     if tol.max_fail_of_block_amax is not None:
         reasons += _failing_elements_capped(diff, torch.where(finite, e, torch.zeros_like(e)), ~element_ok, tol,

@@ -87,3 +87,18 @@ def test_a_wrong_dtype_fails_the_row_once_in_the_layout_metric():
     assert row.metrics["q"]["passed"] is True and row.metrics["w"]["passed"] is True
     assert [k for k, m in row.metrics.items() if m.get("passed") is False] == ["layout"]
     assert row.summary().startswith("indexer_q.layout: q: dtype torch.float64")
+
+
+def test_an_output_that_is_not_a_tensor_fails_layout_not_with_an_error():
+    class Listed(ReferenceBackend):
+        name = "listed"
+
+        def indexer_q(self, *args, **kwargs):
+            q, w = super().indexer_q(*args, **kwargs)
+            return q, w.tolist()
+
+    cases = select_cases(default_cases(), ["indexer_q"], "deepseek")
+    (row,) = run_suite(["listed"], cases, registry=registry_of(Listed()), far=False).rows
+    assert row.outcome == "failed", row.reasons
+    assert row.metrics["layout"]["problems"] == ["w: a list, the fake kernel promises a tensor"]
+    assert row.metrics["w"]["passed"] is None and row.metrics["q"]["passed"] is True
