@@ -19,12 +19,11 @@ request may write, and every layer must run a step before its requests are plann
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from dsv4.cache_args import MAX_SLOTS, StepRequest, check_requests, hashable, resolve_device
+from dsv4.cache_args import MAX_SLOTS, StepRequest, check_requests, hashable, int_arg, resolve_device
 from dsv4.cache_metadata import build_step_metadata
 from dsv4.metadata import StepMetadata, mark_planned
 from dsv4.paging import SPEC_GROUPS, BlockPool, pages_per_group
@@ -207,8 +206,7 @@ class PagedKVCache:
 
     def free(self, request_id: Hashable) -> None:
         """Release every page of ``request_id`` in every group; its planned steps become stale."""
-        if not hashable(request_id) or request_id not in self.seq_lens:
-            raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
+        self._known(request_id)
         for group in self.groups.values():
             group.release(request_id)
         del self.seq_lens[request_id]
@@ -228,19 +226,21 @@ class PagedKVCache:
         token that closes it, before that token attends). The pages stay with the request, for its next
         tokens. The latest step stays the latest (running it again writes the same rows again).
         """
-        if not hashable(request_id) or request_id not in self.seq_lens:
-            raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
-            raise DSV4TypeError.of("num_tokens", "an int >= 0", f"{type(num_tokens).__name__} {num_tokens!r}")
+        self._known(request_id)
+        num_tokens = int_arg("num_tokens", num_tokens, "an int >= 0")
         serial, length, start = self._epochs[request_id], self.seq_lens[request_id], self._step_starts[request_id]
         if not 0 <= num_tokens <= length - start:
             raise DSV4ValueError.of(
                 "num_tokens", f"0 .. {length - start} (the tokens step #{serial} appended to request "
-                f"{request_id!r} and not rolled back)", int(num_tokens),
+                f"{request_id!r} and not rolled back)", num_tokens,
                 hint="only the latest step's tokens can be discarded")
         self._check_written("request_id", request_id)
-        self.seq_lens[request_id] = length - int(num_tokens)
+        self.seq_lens[request_id] = length - num_tokens
         return self.seq_lens[request_id]
+
+    def _known(self, request_id: Hashable) -> None:
+        if not hashable(request_id) or request_id not in self.seq_lens:
+            raise DSV4ValueError.of("request_id", "a request known to this cache", repr(request_id))
 
     def _check_written(self, argument: str, request_id: Hashable) -> None:
         """Raise naming ``argument`` unless every layer ran ``request_id``'s latest step (``plan_step``,
@@ -384,12 +384,10 @@ class PagedKVCache:
             if e > limit:
                 raise DSV4ValueError.of(f"requests[{r.request_id!r}]", f"a sequence of <= {limit} tokens", e)
         if pad_to is not None:
-            if isinstance(pad_to, bool) or not isinstance(pad_to, numbers.Integral):
-                raise DSV4TypeError.of("pad_to", "None or an int", f"{type(pad_to).__name__} {pad_to!r}")
+            pad_to = int_arg("pad_to", pad_to, "None or an int")
             if not max(ends) <= pad_to <= limit:
                 raise DSV4ValueError.of("pad_to", f"a length in {max(ends)} .. {limit} (the step's longest request "
-                                        "after it .. max_position_embeddings)", int(pad_to))
-            pad_to = int(pad_to)
+                                        "after it .. max_position_embeddings)", pad_to)
         for r in ids:
             self._check_written(f"requests[{r!r}]", r)
 
@@ -422,11 +420,9 @@ class PagedKVCache:
         except BaseException:
             self._undo_plan(ids, plans, released, before)
             raise
-        if len(self._pending) > 64:  # steps whose requests were all freed or re-planned since
-            live = set(self._epochs.values())
+        if len(self._pending) > 64 or len(self._freed) > 64:  # steps none of whose requests is left (or whose
+            live = set(self._epochs.values())  # requests were all re-planned since): nothing can run them
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
-        if len(self._freed) > 64:  # steps none of whose requests is left
-            live = set(self._epochs.values())
             self._freed = {serial: record for serial, record in self._freed.items() if serial in live}
         mark_planned(metadata, self._serial)  # read-only from here (dsv4.metadata.copy_metadata_ refills)
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
 
-__all__ = ["MAX_SLOTS", "StepRequest", "check_requests", "hashable", "resolve_device"]
+__all__ = ["MAX_SLOTS", "StepRequest", "check_requests", "hashable", "int_arg", "resolve_device"]
 
 MAX_SLOTS = 2**31  # slots a pool may have: 0 .. 2**31 - 1 fit the int32 index rows (SPEC §10)
 
@@ -26,12 +26,18 @@ class StepRequest:
         if not hashable(self.request_id):
             raise DSV4TypeError.of("StepRequest.request_id", "a hashable id (str, int, tuple, ...)",
                                    f"{type(self.request_id).__name__} {self.request_id!r}")
-        n = self.num_tokens
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise DSV4TypeError.of("StepRequest.num_tokens", "an int >= 1", f"{type(n).__name__} {n!r}")
+        n = int_arg("StepRequest.num_tokens", self.num_tokens, "an int >= 1")
         if n < 1:
             raise DSV4ValueError.of("StepRequest.num_tokens", "an int >= 1", n)
-        object.__setattr__(self, "num_tokens", int(n))  # numpy / torch integers become a plain int
+        object.__setattr__(self, "num_tokens", n)  # numpy / torch integers become a plain int
+
+
+def int_arg(argument: str, value: object, expected: str) -> int:
+    """``value`` as a plain int (numpy / torch integers too), else :class:`DSV4TypeError` naming ``argument``
+    (a bool is refused: ``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DSV4TypeError.of(argument, expected, f"{type(value).__name__} {value!r}")
+    return int(value)
 
 
 def hashable(value: object) -> bool:

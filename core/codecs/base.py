@@ -226,12 +226,10 @@ class ByteCodec(Codec):
     def field_byte_mask(self, block_size: int, page_stride: int | None = None) -> Tensor:
         """bool ``[page_stride]``: True where a page byte belongs to a field (what ``unpack_page`` and
         ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail. The union of
-        :meth:`field_byte_masks`."""
-        masks = list(self.field_byte_masks(block_size, page_stride).values())
-        union = masks[0].clone()
-        for mask in masks[1:]:
-            union |= mask
-        return union
+        :meth:`field_byte_masks` (one all-0xFF round trip: every field byte survives it)."""
+        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
+        probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)
+        return self.pack_page(self.unpack_page(probe, block_size), block_size, stride)[0] != 0
 
     def pack_page(self, fields: dict[str, Tensor], block_size: int, page_stride: int | None = None) -> Tensor:
         """Inverse of :meth:`unpack_page`: uint8 ``[..., page_stride]`` with every padding byte 0."""
