@@ -34,6 +34,7 @@ candidate with its reasons.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -129,7 +130,12 @@ def _env_flag(name: str) -> bool:
 
 def _distribution(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
     dist = getattr(ep, "dist", None)
-    return (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+    return _name_and_version(dist) if dist is not None else (None, None)
+
+
+@functools.lru_cache(maxsize=256)  # keyed on the Distribution object (identity): its METADATA parsed once
+def _name_and_version(dist: metadata.Distribution) -> tuple[str | None, str | None]:
+    return dist.metadata["Name"], dist.version
 
 
 def _is_builtin(ep: metadata.EntryPoint) -> bool:
