@@ -22,7 +22,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-__all__ = ["dequant_check"]
+__all__ = ["cta_barrier", "dequant_check"]
+
+# Gluon's CTA-wide barrier (bar.sync): ``thread_barrier`` up to Triton 3.8, ``barrier`` from 3.9
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 _ASM_HEAD = """{
 .reg .b32 d0, d1, e0, e1, z, nz;
@@ -247,7 +250,7 @@ def _fp8_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_i32, ex
             _unit_store(raw, k_cur.slice(part * RH, RH, dim=0))
             raw = raw_n
         fence_async_shared()
-        gl.thread_barrier()  # producer warps only: the whole K tile is in shared memory
+        cta_barrier()  # producer warps only: the whole K tile is in shared memory
         mbarrier.arrive(k_ready.index(kb), count=1)
 
 

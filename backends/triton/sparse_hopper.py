@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import torch
 from dsv4.backends.triton.hopper_dispatch import BLOCK_HEADS, BLOCK_KEYS
-from dsv4.backends.triton.sparse_fp8_producer import _fp8_producer, _list_position
+from dsv4.backends.triton.sparse_fp8_producer import _fp8_producer, _list_position, cta_barrier
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+# cp.async global -> shared: ``async_copy_global_to_shared`` up to Triton 3.8, renamed ``async_load`` in 3.9
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 __all__ = ["sparse_hopper"]
 
@@ -85,8 +88,8 @@ def _rows_producer(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, swa_rows, 
         page = (safe >> log2b).to(gl.int64)
         in_page = (safe & ((1 << log2b) - 1)).to(gl.int64)
         row = page * (page_stride // 2) + in_page * (TOKEN_STRIDE // 2) + ROW_OFF // 2
-        cp.async_copy_global_to_shared(k_ring.index(s), base + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0),
-                                       mask=gl.expand_dims(valid, 1))
+        async_load(k_ring.index(s), base + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0),
+                   mask=gl.expand_dims(valid, 1))
         cp.mbarrier_arrive(k_ready.index(s), increment_count=False)
     cp.wait_group(0)
 
@@ -128,7 +131,7 @@ def _warpgroup1(lo, hi, t64, head_block, split, out_ptr, stride_ot, stride_oh, p
         acc_a = warpgroup_mma(p_smem, k_ring.index(s).slice(C0, NA, dim=1), acc_a)
         acc_b = acc_b * gl.expand_dims(row_smem.index(0).load(gl.SliceLayout(1, MMA_B)), 1)
         acc_b = warpgroup_mma(p_smem, k_ring.index(s).slice(256, 256, dim=1), acc_b)
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(k_free.index(s), count=1)
     mbarrier.wait(fin_ready, 0)
@@ -182,12 +185,12 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
         p_smem.store(pb)
         row_smem.index(0).store(alpha_o)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(p_ready, count=1)
         acc = acc * gl.expand_dims(alpha_o, 1)
         acc = warpgroup_mma(gl.convert_layout(pb, P_OP), k_cur.slice(0, C0, dim=1), acc)
         m_i = m_new
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(k_free.index(s), count=1)
     l_i = gl.convert_layout(l_i, ROW)
     m_o = gl.convert_layout(m_i, ROW)
@@ -210,7 +213,7 @@ def _warpgroup0(lo, hi, n_swa, swa_row, ext_row, swa_len, ext_len, t64, head_blo
         gl.store(part_ml + row * 2 + 1, l_i, mask=head_ok)
     mbarrier.wait(p_free, (hi - lo - 1) & 1, pred=hi > lo)  # warpgroup 1 no longer reads row_smem[0] / P
     row_smem.index(1).store(factor)
-    gl.thread_barrier()
+    cta_barrier()
     mbarrier.arrive(fin_ready, count=1)
     _store_cols(acc, factor, t64, head_block, split, out_ptr, stride_ot, stride_oh, part_acc, num_heads, 0, C0, BH,
                 NUM_SPLITS, MMA_O)
@@ -283,7 +286,7 @@ def _sparse_hopper_kernel(
     mbarrier.init(p_free, count=1)
     mbarrier.init(fin_ready, count=1)
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
 
     # (Gluon takes the partitions as literal (function, args) pairs: one call per producer kind.)
     if FP8:
