@@ -13,6 +13,7 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 try:  # programmatic dependent launch (griddepcontrol) intrinsics of Triton's NVIDIA backend
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - Triton builds without the NVIDIA extra
 __all__ = [
     "INTERPRET",
     "DeviceFacts",
+    "FittingLaunch",
     "ceil_log2_exponent",
     "decode_e4m3",
     "device_facts",
@@ -54,6 +56,7 @@ class DeviceFacts:
     tma: bool  # tensor-memory-accelerator copies (host TMA descriptors): sm_90+ CUDA
     wgmma: bool  # Hopper's warpgroup MMA, setmaxnreg and cp.async mbarrier arrivals: sm_90 CUDA exactly
     mx_mma: bool = False  # microscaling MMAs (tl.dot_scaled e2m1 x e4m3 without an upcast): sm_100/103, gfx950
+    smem: int = 65536  # shared memory a block may use, bytes: a launch over it fails (tile choices fit under it)
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -73,13 +76,48 @@ def _device_facts(device_type: str, index: int | None) -> DeviceFacts:
 
 def facts_of(props: object, *, hip: bool) -> DeviceFacts:
     """``DeviceFacts`` from ``torch.cuda.get_device_properties`` fields (``major``, ``minor``,
-    ``multi_processor_count``; ``gcnArchName`` on ROCm, e.g. "gfx950:sramecc+:xnack-")."""
+    ``multi_processor_count``, ``shared_memory_per_block_optin`` on CUDA; ``gcnArchName`` on ROCm, e.g.
+    "gfx950:sramecc+:xnack-")."""
     major, minor = props.major, props.minor
     cuda = not hip
-    mx_mma = major == 10 if cuda else getattr(props, "gcnArchName", "").split(":")[0] == "gfx950"
+    arch = getattr(props, "gcnArchName", "").split(":")[0]
+    mx_mma = major == 10 if cuda else arch == "gfx950"
+    # CUDA reports its opt-in limit; HIP does not (torch.cuda._utils hard-codes it the same way): 64 KiB of
+    # LDS on CDNA1-3 and RDNA, 160 KiB on CDNA4 (gfx950)
+    smem = getattr(props, "shared_memory_per_block_optin", 49152) if cuda else 163840 if arch == "gfx950" else 65536
     return DeviceFacts(props.multi_processor_count, cuda and (major, minor) >= (8, 9), cuda,
                        cuda and major >= 9 and gdc_wait is not None, cuda and major >= 9,
-                       cuda and (major, minor) == (9, 0), mx_mma)
+                       cuda and (major, minor) == (9, 0), mx_mma, smem)
+
+
+class FittingLaunch:
+    """Launches with the first of a list of launch shapes that the device takes, remembered per key.
+
+    Triton refuses a launch that needs more shared memory (or threads, or tensor memory) than the device has
+    with ``OutOfResources``, before anything runs; the next shape is then tried. The shape that launched is
+    kept per ``key`` (the device and every choice that decides the kernel's resources), so later calls go
+    straight to it: one dict look-up a call, and one refused compile a key and process where the first
+    shape does not fit (Triton's disk cache keeps the compiles). The last shape's refusal propagates.
+    """
+
+    def __init__(self) -> None:
+        self._fits: dict = {}
+
+    def __call__(self, key, shapes, launch):
+        """``launch(shape)`` for the remembered shape of ``key``, else for each of ``shapes`` in turn."""
+        shape = self._fits.get(key)
+        if shape is not None:
+            return launch(shape)
+        for i, shape in enumerate(shapes):
+            try:
+                out = launch(shape)
+            except OutOfResources:
+                if i == len(shapes) - 1:
+                    raise
+                continue
+            self._fits[key] = shape
+            return out
+        raise ValueError("FittingLaunch: no launch shape given")
 
 
 def dot_dtype() -> torch.dtype:

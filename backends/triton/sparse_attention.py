@@ -24,19 +24,27 @@ rounding only under the interpreter), the softmax scale folded into one FMA per 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from dsv4.backends.triton import hopper_dispatch
-from dsv4.backends.triton._common import INTERPRET, decode_e4m3, device_facts, next_pow2, round_bf16, to_bf16
+from dsv4.backends.triton._common import (
+    INTERPRET,
+    FittingLaunch,
+    decode_e4m3,
+    device_facts,
+    next_pow2,
+    round_bf16,
+    to_bf16,
+)
 from dsv4.backends.triton.layout import LatentLayout
+from dsv4.backends.triton.sparse_tuning import SparseTuning, choose_num_splits, default_tuning, smaller_shapes
 from dsv4.specs.errors import CacheLayoutError
 
 __all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "sparse_attention"]
 
 _LOG2E = 1.4426950408889634
+_FITTING = FittingLaunch()  # the launch shape each device and kernel variant takes (sparse_tuning)
 
 
 @triton.jit
@@ -313,55 +321,6 @@ def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, 
             one, one < num_heads, cols, out_ptr + t * stride_ot, stride_oh, lse_ptr + t * num_heads)
 
 
-@dataclass(frozen=True)
-class SparseTuning:
-    """Launch shape of ``_sparse_attention_kernel`` (``default_tuning``; H200 sweep in docs/triton.md)."""
-
-    block_heads: int
-    block_keys: int
-    num_warps: int
-    num_stages: int
-    num_splits: int
-    isolate_scores: bool = False
-    prefetch: int = 0
-
-
-def choose_num_splits(num_tokens: int, head_blocks: int, max_tiles: int, num_sms: int) -> int:
-    """Splits over keys so that programs fill about one wave of the device; 1 for prefill.
-
-    A 64-head program holds a ``[64, 512]`` fp32 accumulator, so one program runs per SM: a second
-    wave only adds a combine pass. ``round(num_sms / programs)`` keeps b=128 h=64 at one split
-    (128 programs on the H200's SMs) and spreads small batches over the SMs.
-    """
-    programs = num_tokens * head_blocks
-    if max_tiles <= 1 or programs * 4 >= 3 * num_sms:
-        return 1
-    return max(1, min(max_tiles, round(num_sms / programs), 16))
-
-
-def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int,
-                   fp8_rows: bool = True) -> SparseTuning:
-    """Heuristic launch shape for ``num_tokens`` queries of ``num_heads`` heads over ``key_width`` keys.
-
-    64-head blocks (the wgmma M; fewer heads: a 16/32 block on mma.sync, 4 warps) and 64-key
-    tiles. fp8 pages: Triton's pipeline with 5 stages, the fewest that double-buffer the gathered
-    bytes (fewer leave one buffer and wait for each tile's loads right after issuing them); 215 KB
-    of shared memory on sm_90. bf16 rows go straight to the dot's shared-memory operand; 3 stages
-    timed best there (H200 sweep, docs/triton.md: prefill h=64 1.75 ms vs 2.37 ms with 2). The
-    ``isolate_scores`` / ``prefetch`` variants stay off (within a few percent on decode, slower
-    on prefill). 16-key tiles under the interpreter. Splits from ``choose_num_splits``.
-    """
-    block_heads = max(16, min(64, next_pow2(num_heads)))
-    if INTERPRET:
-        block_keys, num_stages = 16, 1
-    elif block_heads < 64:
-        block_keys, num_stages = 32, 3
-    else:
-        block_keys, num_stages = (64, 5) if fp8_rows else (64, 3)
-    splits = choose_num_splits(num_tokens, _cdiv(num_heads, block_heads), _cdiv(key_width, block_keys), num_sms)
-    return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, num_stages, splits)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # host-side: triton.cdiv is a jit function, slow to call from Python
 
@@ -434,34 +393,34 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
         if why is not None and hopper:
             raise RuntimeError(f"sparse_attention(hopper=True): {why}")
         use_hopper = why is None
-    if use_hopper:  # the split count from the kernel that runs: the Hopper kernel's own tile shape
-        bh, keys = hopper_dispatch.BLOCK_HEADS, hopper_dispatch.BLOCK_KEYS
-    else:
-        tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
-        bh = block_heads or tuning.block_heads
-        bn = block_keys or tuning.block_keys
-        isolate = tuning.isolate_scores if isolate_scores is None else isolate_scores
-        prefetch = tuning.prefetch if prefetch is None else int(prefetch)
-        # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
-        repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
-        keys = bn // repeat
-    head_blocks = _cdiv(num_heads, bh)
-    splits = num_splits or choose_num_splits(num_tokens, head_blocks,
-                                             _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
-    if splits > 1:
-        part_acc = torch.empty((num_tokens * num_heads * splits, dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_tokens * num_heads * splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = lse  # unused placeholders
     ext_cache = extra_cache if has_extra else swa_cache
     ext_idx = extra_indices if has_extra else swa_indices
     ext_lens = extra_lens if has_extra else swa_lens
-    if use_hopper:
+
+    def partials(bh: int, keys: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(splits, part_acc, part_ml) for ``bh``-head blocks of ``keys``-key tiles."""
+        head_blocks = _cdiv(num_heads, bh)
+        splits = num_splits or choose_num_splits(num_tokens, head_blocks,
+                                                 _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
+        if splits == 1:
+            return 1, lse, lse  # unused placeholders
+        return (splits, torch.empty((num_tokens * num_heads * splits, dim), dtype=torch.float32, device=q.device),
+                torch.empty((num_tokens * num_heads * splits, 2), dtype=torch.float32, device=q.device))
+
+    if use_hopper:  # the split count from the kernel that runs: the Hopper kernel's own tile shape
+        splits, part_acc, part_ml = partials(hopper_dispatch.BLOCK_HEADS, hopper_dispatch.BLOCK_KEYS)
         hopper_dispatch.loader()[0].sparse_hopper(
             q, swa_cache, swa, swa_indices, swa_lens, ext_cache, ext, ext_idx, ext_lens, has_extra, sink, out,
             lse, part_acc, part_ml, scale_log2=softmax_scale * _LOG2E, num_splits=splits)
         _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
         return out, lse
+    tuning = default_tuning(num_tokens, num_heads, swa_width + ext_width, num_sms, swa_layout.fp8_nope)
+    bh = block_heads or tuning.block_heads
+    isolate = tuning.isolate_scores if isolate_scores is None else isolate_scores
+    prefetch = tuning.prefetch if prefetch is None else int(prefetch)
+    # fp32 probabilities on bf16 tensor cores: each key twice a tile (hi and lo parts, see the kernel).
+    repeat = 2 if (not probs_bf16 and (not INTERPRET if split_probs is None else split_probs)) else 1
+    warps = num_warps or (8 if bh >= 64 else 4)
     swa_u8, swa_bf16 = swa.byte_views(swa_cache)
     ext_u8, ext_bf16 = ext.byte_views(ext_cache)
     # int64 views for the 8-byte scale words (unused by bf16 rows, whose pages are 8-aligned too).
@@ -472,22 +431,28 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     if pow2:
         swa_args = (swa.block_size.bit_length() - 1, *swa_args[1:])
         ext_args = (ext.block_size.bit_length() - 1, *ext_args[1:])
-    launch = {}
-    if not INTERPRET:
-        launch["num_warps"] = num_warps or (8 if bh >= 64 else 4)
-        launch["num_stages"] = num_stages or tuning.num_stages
-    _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
-        q, q.stride(0), q.stride(1),
-        swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa_args,
-        ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext_args,
-        sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
-        num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
-        HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and hardware_e4m3,
-        NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
-        BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-        PROBS_BF16=probs_bf16, REPEAT=repeat, POW2_BLOCKS=pow2, RNE_CVT=rne_cvt,
-        ISOLATE_S=isolate, PREFETCH=prefetch, **launch)
-    _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
+
+    def launch(shape: tuple[int, int]) -> None:
+        bn, stages = shape
+        splits, part_acc, part_ml = partials(bh, bn // repeat)
+        _sparse_attention_kernel[(num_tokens, _cdiv(num_heads, bh), splits)](
+            q, q.stride(0), q.stride(1),
+            swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa_args,
+            ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext_args,
+            sink, out, out.stride(0), out.stride(1), lse, part_acc, part_ml,
+            num_heads, swa_width, ext_width, softmax_scale * _LOG2E,
+            HAS_EXTRA=has_extra, FP8=swa.fp8_nope, HW_FP8=swa.fp8_nope and hardware_e4m3,
+            NOPE_CHUNKS=nope_chunks, CHUNKS=chunks, CHUNK=chunk,
+            BH=bh, BN=bn, NUM_SPLITS=splits, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+            PROBS_BF16=probs_bf16, REPEAT=repeat, POW2_BLOCKS=pow2, RNE_CVT=rne_cvt,
+            ISOLATE_S=isolate, PREFETCH=prefetch, **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}))
+        _combine(part_acc, part_ml, sink, out, lse, num_tokens, num_heads, dim, splits)
+
+    shape = (block_keys or tuning.block_keys, num_stages or tuning.num_stages)
+    # a caller's block_keys / num_stages run as given; the defaults step down where the device is smaller
+    shapes = [shape] if INTERPRET or block_keys or num_stages else [shape, *smaller_shapes(*shape)]
+    _FITTING((q.device, bh, warps, swa.fp8_nope, hardware_e4m3, has_extra, probs_bf16, repeat, isolate, prefetch,
+              pow2, chunks, shape), shapes, launch)
     return out, lse
 
 
