@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "backends" / "triton"))
 
 import bench_attention as bench
+import bench_inputs as inputs
 from _triton_helpers import assert_cache_equivalent, assert_close
 from dsv4 import reference
 from dsv4.backends.triton import TritonBackend
@@ -54,7 +55,7 @@ def check(name: str, fn, *args) -> None:
 
 
 def cos_sin(n: int) -> torch.Tensor:
-    return bench._cos_sin(n, DEV)
+    return inputs.cos_sin(n, DEV)
 
 
 def byte_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -182,7 +183,7 @@ def chk_compressor_promise(ratio: int, head_dim: int, out_format: str, profile: 
     mxfp4 keys skip the reference: over thousands of blocks one pooled value on an FP4 rounding midpoint
     flips with any last-bit difference from torch (docs/triton.md, third round); chk_compressor holds them
     to it on 256 blocks, and the promise changes which launch pools a block, not its arithmetic."""
-    b = bench.packed_compressor_batch(lengths, ratio, head_dim, out_format, DEV)
+    b = inputs.packed_compressor_batch(lengths, ratio, head_dim, out_format, DEV)
     state, out, out_slots = b["state"], b["out_cache"], b["out_slots"]
     args_a = (torch.randn(b["positions"].numel(), b["width"], device=DEV) * 2, b["positions"], b["token_request"])
     mid = (b["table"], b["state_slots"], b["ape"], b["weight"], b["cos_sin"])
@@ -444,7 +445,7 @@ def main() -> None:
     for args in ((4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm"), (4, 512, "bf16", "vllm"),
                  (4, 128, "indexer_mxfp4", "deepseek"), (4, 128, "indexer_fp8", "vllm")):
         check(f"compress_insert {args}", chk_compressor, *args)
-    packed = bench.PACKED  # 8 fresh requests of ~4K tokens, unaligned token offsets
+    packed = inputs.PACKED  # 8 fresh requests of ~4K tokens, unaligned token offsets
     for args in ((4, 128, "indexer_fp8", "vllm"), (4, 512, "fp8_ds_mla", "deepseek"), (128, 512, "fp8_ds_mla", "vllm")):
         check(f"compress_insert {args} packed fresh prefill, windows_in_call", chk_compressor_promise, *args, packed)
     check("compress_insert (4, 128, 'indexer_mxfp4', 'deepseek') packed fresh prefill, windows_in_call",

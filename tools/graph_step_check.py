@@ -4,6 +4,7 @@ attention, output projection) with new metadata in stable buffers, against eager
 from __future__ import annotations
 
 import bench_attention as bench
+import bench_inputs as inputs
 import torch
 from dsv4.backends.triton import TritonBackend
 from dsv4.codecs import get_codec
@@ -13,7 +14,7 @@ B = TritonBackend()
 
 
 def cos_sin(n: int) -> torch.Tensor:
-    return bench._cos_sin(n, DEV)
+    return inputs.cos_sin(n, DEV)
 
 
 def graph_step(ceil, tuning) -> dict:

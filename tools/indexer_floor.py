@@ -127,11 +127,11 @@ def child(variant: str, reps: int) -> dict:
 def once(variant: str) -> None:
     """Two logits calls at the benchmark's shape, nothing timed (``--once``)."""
     sys.path.insert(0, str(HERE))
-    import bench_attention as bench
+    import bench_inputs as inputs
     import torch
 
     install_variant(variant)
-    logits_only, _, _ = bench.indexer_decode_calls()
+    logits_only, _, _ = inputs.indexer_decode_calls()
     for i in range(2):
         logits_only(i)
     torch.cuda.synchronize()

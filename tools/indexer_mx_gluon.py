@@ -246,7 +246,7 @@ def check_row(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float | None
 def _inputs(batch: int, context: int, *, seed: int = 0, **options) -> tuple:
     """``bench_attention.indexer_decode_inputs`` (the bench row's inputs; ``options`` vary it for the checks)
     as the positional arguments of ``indexer_logits`` / ``async_fp8_logits`` up to the key block table."""
-    from bench_attention import indexer_decode_inputs
+    from bench_inputs import indexer_decode_inputs
 
     gen = torch.Generator("cuda").manual_seed(seed)
     x = indexer_decode_inputs(batch, context, rotations=1, generator=gen, **options)
