@@ -63,14 +63,15 @@ def _load_slots(idx_row, local_tile, length, BN: tl.constexpr, REPEAT: tl.conste
 def _tile_slots(tile, n_swa, swa_row, ext_row, swa_len, ext_len, HAS_EXTRA: tl.constexpr, BN: tl.constexpr,
                 REPEAT: tl.constexpr):
     """[BN] int32 slots and [BN] validity of virtual tile ``tile`` (past the list: all invalid)."""
-    in_swa = tile < n_swa
     if HAS_EXTRA:
-        idx_row = tl.where(in_swa, swa_row, ext_row)
-        local = tl.where(in_swa, tile, tile - n_swa)
-        length = tl.where(in_swa, swa_len, ext_len)
-    else:
-        idx_row, local, length = swa_row, tile, swa_len
-    return _load_slots(idx_row, local, length, BN, REPEAT)
+        # Two masked loads (the other list's is empty), not one through a select between the two index rows:
+        # Triton 3.6's AMD buffer-op pass asserts on that select (3.9 compiles it; tools/target_compile.py)
+        in_swa = tile < n_swa
+        swa_slots, swa_valid = _load_slots(swa_row, tile, tl.where(in_swa, swa_len, 0), BN, REPEAT)
+        ext_slots, ext_valid = _load_slots(ext_row, tl.maximum(tile - n_swa, 0), tl.where(in_swa, 0, ext_len), BN,
+                                           REPEAT)
+        return tl.where(in_swa, swa_slots, ext_slots), swa_valid | ext_valid
+    return _load_slots(swa_row, tile, swa_len, BN, REPEAT)
 
 
 @triton.jit
