@@ -57,6 +57,7 @@ class DeviceFacts:
     wgmma: bool  # Hopper's warpgroup MMA, setmaxnreg and cp.async mbarrier arrivals: sm_90 CUDA exactly
     mx_mma: bool = False  # microscaling MMAs (tl.dot_scaled e2m1 x e4m3 without an upcast): sm_100/103, gfx950
     smem: int = 65536  # shared memory a block may use, bytes: a launch over it fails (tile choices fit under it)
+    hip: bool = False  # ROCm (Triton's AMD backend compiles the kernels)
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -87,7 +88,7 @@ def facts_of(props: object, *, hip: bool) -> DeviceFacts:
     smem = getattr(props, "shared_memory_per_block_optin", 49152) if cuda else 163840 if arch == "gfx950" else 65536
     return DeviceFacts(props.multi_processor_count, cuda and (major, minor) >= (8, 9), cuda,
                        cuda and major >= 9 and gdc_wait is not None, cuda and major >= 9,
-                       cuda and (major, minor) == (9, 0), mx_mma, smem)
+                       cuda and (major, minor) == (9, 0), mx_mma, smem, hip)
 
 
 class FittingLaunch:

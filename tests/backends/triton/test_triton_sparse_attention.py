@@ -95,6 +95,33 @@ def test_kernel_variants(isolate_scores: bool, prefetch: int) -> None:
     _run_case("ascend_a5", "vllm", heads=5, block_keys=32, **tuning)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_two_index_loads_on_rocm(monkeypatch, prefetch: int) -> None:
+    """On ROCm (``DeviceFacts.hip``) a tile's slots come from two masked loads, not a select between the two
+    index rows (Triton 3.6's AMD backend cannot compile that select): the same function against float64,
+    with empty lists, SWA-only and extra-only rows, every tile straddling or past the SWA -> extra boundary."""
+    from dataclasses import replace
+
+    from dsv4.backends.triton import sparse_attention as sa
+
+    rocm = replace(sa.device_facts(torch.device("cpu")), hip=True)
+    monkeypatch.setattr(sa, "device_facts", lambda device: rocm)
+    seen = []
+    kernel = sa._sparse_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["ROW_SELECT"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(sa, "_sparse_attention_kernel", Spy())
+    _run_case("fp8_ds_mla", "deepseek", num_splits=3, block_keys=16, prefetch=prefetch)
+    _run_case("bf16", "vllm", extra_block=10, block_keys=32, prefetch=prefetch)
+    assert seen == [False, False]
+
+
 def test_pages_not_power_of_two() -> None:
     _run_case("fp8_ds_mla", "deepseek", extra_block=5, block_keys=16)
     _run_case("bf16", "vllm", extra_block=10, block_keys=16, prefetch=2, num_splits=2)
