@@ -406,3 +406,19 @@ def test_cos_sin_of_another_width_is_refused(width: int) -> None:
                                 torch.rand(128) + 0.5, wrong, out_cache, torch.tensor([-1, 1]), ratio=4,
                                 head_dim=128, out_format="indexer_fp8", profile="vllm", eps=1e-6)
     assert torch.equal(state, state_before) and torch.equal(_bytes(out_cache), _bytes(out_before))
+
+
+def test_probe_refuses_a_triton_older_than_its_kernels(monkeypatch) -> None:
+    """Triton 3.5 cannot compile the kernels (tools/target_compile.py: no gl.num_warps, the chunked top-k's
+    arange): the backend says so in one line instead of failing at its first launch; 3.6 and later pass."""
+    import triton
+    from dsv4.backends.triton.capabilities import MIN_TRITON, probe_reasons
+
+    assert MIN_TRITON == (3, 6)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for old in ("3.5.1", "3.2.0", "2.3.1"):
+        monkeypatch.setattr(triton, "__version__", old)
+        assert probe_reasons() == [f"triton {old} is older than 3.6, the oldest its kernels compile with"]
+    for new in ("3.6.0", "3.7.0+git1a2b", "3.10.0", "4.0.0"):
+        monkeypatch.setattr(triton, "__version__", new)
+        assert probe_reasons() == []
