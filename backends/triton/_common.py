@@ -33,6 +33,7 @@ __all__ = [
     "fp4_code",
     "gdc_launch_dependents",
     "gdc_wait",
+    "host_cdiv",
     "next_pow2",
     "pow2_from_exponent",
     "rne_integer",
@@ -105,20 +106,24 @@ class FittingLaunch:
         self._fits: dict = {}
 
     def __call__(self, key, shapes, launch):
-        """``launch(shape)`` for the remembered shape of ``key``, else for each of ``shapes`` in turn."""
+        """``launch(shape)`` for the remembered shape of ``key``, else for each of ``shapes()`` in turn
+        (a callable: the list is built only on a key's first call)."""
         shape = self._fits.get(key)
         if shape is not None:
             return launch(shape)
-        for i, shape in enumerate(shapes):
+        candidates = shapes()
+        if not candidates:
+            raise ValueError("FittingLaunch: no launch shape given")
+        for i, shape in enumerate(candidates):
             try:
                 out = launch(shape)
             except OutOfResources:
-                if i == len(shapes) - 1:
+                if i == len(candidates) - 1:
                     raise
                 continue
             self._fits[key] = shape
             return out
-        raise ValueError("FittingLaunch: no launch shape given")
+        raise AssertionError("unreachable")
 
 
 def dot_dtype() -> torch.dtype:
@@ -128,6 +133,11 @@ def dot_dtype() -> torch.dtype:
     every value we feed a dot is bf16-representable, so fp32 operands compute the same function.
     """
     return torch.float32 if INTERPRET else torch.bfloat16
+
+
+def host_cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for Python ints (``triton.cdiv`` is a jit function, slow to call from the host)."""
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:

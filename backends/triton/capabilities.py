@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from dsv4.backend import OP_NAMES, Capabilities
@@ -56,10 +57,5 @@ def probe_reasons() -> list[str]:
 
 def _release(version: str) -> tuple[int, ...]:
     """(major, minor) of a version string such as "3.6.0" or "3.7.0+git1a2b" ((0,) where unreadable)."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or (0,)
+    m = re.match(r"(\d+)(?:\.(\d+))?", version)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else (0,)

@@ -33,6 +33,7 @@ from dsv4.backends.triton._common import (
     FittingLaunch,
     decode_e4m3,
     device_facts,
+    host_cdiv,
     next_pow2,
     round_bf16,
     to_bf16,
@@ -330,10 +331,6 @@ def _combine_kernel(part_acc, part_ml, sink_ptr, out_ptr, stride_ot, stride_oh, 
             one, one < num_heads, cols, out_ptr + t * stride_ot, stride_oh, lse_ptr + t * num_heads)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # host-side: triton.cdiv is a jit function, slow to call from Python
-
-
 def _record_geometry(swa: LatentLayout, ext: LatentLayout) -> tuple[int, int, int]:
     """(CHUNK, NOPE_CHUNKS, CHUNKS) of the kernel's ``[BN, CHUNKS, CHUNK]`` view of a record.
 
@@ -408,9 +405,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
 
     def partials(bh: int, keys: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(splits, part_acc, part_ml) for ``bh``-head blocks of ``keys``-key tiles."""
-        head_blocks = _cdiv(num_heads, bh)
+        head_blocks = host_cdiv(num_heads, bh)
         splits = num_splits or choose_num_splits(num_tokens, head_blocks,
-                                                 _cdiv(swa_width, keys) + _cdiv(ext_width, keys), num_sms)
+                                                 host_cdiv(swa_width, keys) + host_cdiv(ext_width, keys), num_sms)
         if splits == 1:
             return 1, lse, lse  # unused placeholders
         return (splits, torch.empty((num_tokens * num_heads * splits, dim), dtype=torch.float32, device=q.device),
@@ -444,7 +441,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     def launch(shape: tuple[int, int]) -> None:
         bn, stages = shape
         splits, part_acc, part_ml = partials(bh, bn // repeat)
-        _sparse_attention_kernel[(num_tokens, _cdiv(num_heads, bh), splits)](
+        _sparse_attention_kernel[(num_tokens, host_cdiv(num_heads, bh), splits)](
             q, q.stride(0), q.stride(1),
             swa_u8, swa_bf16, swa_i64, swa_indices, swa_indices.stride(0), swa_lens, *swa_args,
             ext_u8, ext_bf16, ext_i64, ext_idx, ext_idx.stride(0), ext_lens, *ext_args,
@@ -460,9 +457,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
 
     shape = (block_keys or tuning.block_keys, num_stages or tuning.num_stages)
     # a caller's block_keys / num_stages run as given; the defaults step down where the device is smaller
-    shapes = [shape] if INTERPRET or block_keys or num_stages else [shape, *smaller_shapes(*shape)]
+    fixed = INTERPRET or block_keys or num_stages
     _FITTING((q.device, bh, warps, swa.fp8_nope, hardware_e4m3, has_extra, probs_bf16, repeat, isolate, prefetch,
-              pow2, chunks, facts.hip, shape), shapes, launch)
+              pow2, chunks, facts.hip, shape), lambda: [shape] if fixed else [shape, *smaller_shapes(*shape)], launch)
     return out, lse
 
 

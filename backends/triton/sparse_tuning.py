@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.backends.triton._common import INTERPRET, next_pow2
+from dsv4.backends.triton._common import INTERPRET, host_cdiv, next_pow2
 
 __all__ = ["SparseTuning", "choose_num_splits", "default_tuning", "smaller_shapes"]
 
@@ -60,7 +60,7 @@ def default_tuning(num_tokens: int, num_heads: int, key_width: int, num_sms: int
         block_keys, num_stages = 32, 3
     else:
         block_keys, num_stages = (64, 5) if fp8_rows else (64, 3)
-    splits = choose_num_splits(num_tokens, _cdiv(num_heads, block_heads), _cdiv(key_width, block_keys), num_sms)
+    splits = choose_num_splits(num_tokens, host_cdiv(num_heads, block_heads), host_cdiv(key_width, block_keys), num_sms)
     return SparseTuning(block_heads, block_keys, 8 if block_heads >= 64 else 4, num_stages, splits)
 
 
@@ -76,7 +76,3 @@ def smaller_shapes(block_keys: int, num_stages: int) -> list[tuple[int, int]]:
         shapes.append((bn, min(2, num_stages)))
     shapes += [(b, 1) for b in (block_keys, block_keys // 2, 16) if b >= 16 and num_stages > 1]
     return list(dict.fromkeys(shapes))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # host-side: triton.cdiv is a jit function, slow to call from Python

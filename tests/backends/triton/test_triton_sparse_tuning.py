@@ -45,17 +45,22 @@ def _refusing(limit: int, calls: list):
 
 
 def test_fitting_launch_steps_down_and_remembers() -> None:
-    fit, calls = FittingLaunch(), []
-    shapes = [(64, 5), *smaller_shapes(64, 5)]
+    fit, calls, built = FittingLaunch(), [], []
+
+    def shapes():
+        built.append(1)
+        return [(64, 5), *smaller_shapes(64, 5)]
+
     assert fit("k", shapes, _refusing(150, calls)) == (64, 2)
     assert calls == [(64, 5), (64, 4), (64, 3), (64, 2)]
     calls.clear()
     assert fit("k", shapes, _refusing(150, calls)) == (64, 2) and calls == [(64, 2)]  # straight to it
+    assert len(built) == 1  # the list is built on a key's first call only (the hot path builds nothing)
     assert fit("other", shapes, _refusing(1000, calls)) == (64, 5)  # per key
     with pytest.raises(OutOfResources, match="shared memory, Required: 16, Hardware limit: 8"):
         fit("tiny", shapes, _refusing(8, calls))  # nothing fits: the last refusal
     with pytest.raises(ValueError, match="no launch shape"):
-        FittingLaunch()("none", [], _refusing(8, calls))
+        FittingLaunch()("none", list, _refusing(8, calls))
 
 
 def test_sparse_attention_takes_the_shape_the_device_takes(monkeypatch) -> None:
