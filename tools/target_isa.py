@@ -28,21 +28,10 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile the real kernel: set before trit
 import collections
 import re
 import sys
-from types import SimpleNamespace
 
 import triton
+from targets import TARGETS
 
-# target name -> (backend, arch, warp size, torch.cuda device properties that DeviceFacts reads)
-TARGETS = {
-    "sm_90": ("cuda", 90, 32, SimpleNamespace(major=9, minor=0, multi_processor_count=132)),
-    "sm_100": ("cuda", 100, 32, SimpleNamespace(major=10, minor=0, multi_processor_count=148)),
-    "sm_103": ("cuda", 103, 32, SimpleNamespace(major=10, minor=3, multi_processor_count=148)),
-    "sm_120": ("cuda", 120, 32, SimpleNamespace(major=12, minor=0, multi_processor_count=188)),
-    "gfx950": ("hip", "gfx950", 64, SimpleNamespace(major=9, minor=5, multi_processor_count=256,
-                                                   gcnArchName="gfx950:sramecc+:xnack-")),
-    "gfx942": ("hip", "gfx942", 64, SimpleNamespace(major=9, minor=4, multi_processor_count=304,
-                                                   gcnArchName="gfx942:sramecc+:xnack-")),
-}
 BLOCK = 64  # entries a page (vLLM's 256 tokens / ratio 4)
 _MMA = re.compile(r"\b(tcgen05\.mma[\w.:]*|wgmma\.mma_async[\w.:]*|mma\.sync[\w.:]*|v_mfma\w*|v_wmma\w*)")
 
