@@ -411,7 +411,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     # (graph ms): bf16 path 4/SM 0.44, 16/SM 0.38; fp8 mxfp4 splits 17: 0.297, 9: 0.267, 6: 0.253,
     # 4: 0.247; fp8 keys 17: 0.239, 9: 0.229, 6: 0.226.
     target = ((4 if mxfp4 else 6) if fp8 else 16) * facts.num_sms / num_tokens
-    splits = num_splits or max(1, min(round(target) if fp8 else math.ceil(target), tiles // 4))
+    min_tiles = 1 if num_splits else 4  # the kernel's per-token rule (BOUNDED) takes the same minimum
+    splits = num_splits or max(1, min(round(target) if fp8 else math.ceil(target), tiles // min_tiles))
     chunk = -(-tiles // splits) * bn
     splits = -(-max_entries // chunk)
     q = q.contiguous()
@@ -419,9 +420,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, to
     f32 = key_cache.view(torch.float32) if key_cache.shape[1] % 4 == 0 else key_cache
     codes, w2, exact = q_codes(q, w, mxfp4=mxfp4 and not meta["MX_SCALED"]) if fp8 else (q, w, w)
     desc = key_descriptor(key_cache, layout, bn) if meta["TMA"] else None
-    # BOUNDED: the rule above per token (its own tiles, at most `splits` ranges of >= 4 tiles; any number of
-    # tiles with num_splits given)
-    min_tiles = 1 if num_splits else 4
+    # BOUNDED: the rule above per token (its own tiles, at most `splits` ranges of >= min_tiles tiles)
     _indexer_logits_kernel[(num_tokens, splits)](
         q, q.stride(0), q.stride(1), w, positions, token_request, key_block_table, key_block_table.stride(0),
         key_cache, f32, *layout.kernel_args(), logits, max_entries, chunk, min_tiles,

@@ -342,7 +342,8 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     if n == 0:
         return out.fill_(-1)
     kc = next_pow2(max(candidates or 1024, 2 * topk if candidates is None else topk))
-    lens = {"lens": out if row_lens is None else row_lens, "HAS_LENS": row_lens is not None}
+    # row_lens by the backend's rule for [T] index vectors (layout.unit_stride: a strided view is copied once)
+    lens = {"lens": out if row_lens is None else unit_stride(row_lens), "HAS_LENS": row_lens is not None}
     if n <= (kc if sort_max is None else sort_max):
         extra = {} if INTERPRET else {"num_warps": num_warps or 8}
         _topk_sort_kernel[(num_tokens,)](logits, n, out=out, k=topk, NP=max(next_pow2(n), next_pow2(topk)), **lens,

@@ -176,3 +176,6 @@ def test_topk_row_lens_read_only_the_row(variant: str) -> None:
         assert torch.equal(topk_indices(dirty, k, row_lens=lens, **kwargs), got), garbage
     assert torch.all(want[1] == -1) and torch.equal(want[2, 5:], torch.full((k - 5,), -1, dtype=torch.int32))
     assert torch.all(want[lens > k][:, -1] >= 0)
+    # a strided view of the lengths (a column of packed metadata) reads as the contiguous tensor
+    strided = torch.stack([lens, torch.full_like(lens, 7)], 1)[:, 0]
+    assert strided.stride(0) == 2 and torch.equal(topk_indices(clean, k, row_lens=strided, **kwargs), got)
