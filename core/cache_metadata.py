@@ -44,6 +44,8 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     positions = (first[token_request] + offsets).to(dev)
     token_request = token_request.to(dev)
 
+    if pad_to is not None:
+        _check_pad_to(groups, ids, pad_to)
     swa_group = groups["swa"]
     swa_bt = _table(swa_group, ids, dev, pad_to, 1)
     W = window
@@ -99,20 +101,36 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     )
 
 
-def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None,
-           tokens_an_entry: int) -> torch.Tensor:
-    """``group``'s block table of the step: as wide as its longest row, or (``pad_to``) as wide as sequences
-    of ``pad_to`` tokens need (``tokens_an_entry``: r for a compressed group, else 1)."""
-    if pad_to is None:
-        return group.table_tensor(ids, device)
-    width = max(1, -(-(pad_to // tokens_an_entry) // group.block_size))
-    table = group.table_tensor(ids, device, min_width=width)
-    if table.shape[1] != width:
-        held = table.shape[1]
-        request = next(r for r in ids if group.logical_pages(r) == held)
-        least = ((held - 1) * group.block_size + 1) * tokens_an_entry  # the least length that needs ``held`` pages
+def _check_pad_to(groups: dict[str, BlockPool], ids: Sequence[Hashable], pad_to: int) -> None:
+    """Refuses (naming ``pad_to``) a padding that some group's table is already wider than (pages a rollback
+    kept), naming the least length that every group's table fits: one group's least is not enough where a
+    group of smaller pages holds more (swa 513 < c4 516 < state4 517)."""
+    worst = None
+    for name, group in groups.items():
+        tokens_an_entry = int(name[1:]) if name.startswith("c") else 1
+        held, request = max(((group.logical_pages(r), r) for r in ids), key=lambda pair: pair[0])
+        if held > _width(group, pad_to, tokens_an_entry):
+            least = ((held - 1) * group.block_size + 1) * tokens_an_entry  # the least length needing ``held`` pages
+            if worst is None or least > worst[0]:
+                worst = (least, request, held, group)
+    if worst is not None:
+        least, request, held, group = worst
         raise DSV4ValueError.of("pad_to", f"a length >= {least} (request {request!r} holds {held} {group.name!r} "
                                 f"pages of {group.block_size} entries)", pad_to,
                                 hint="a rollback leaves its pages with the request: pad to the longest length plus "
                                      "the drafts")
-    return table
+
+
+def _width(group: BlockPool, pad_to: int, tokens_an_entry: int) -> int:
+    """Pages of ``group`` that sequences of ``pad_to`` tokens need (``tokens_an_entry``: r for a compressed
+    group, else 1)."""
+    return max(1, -(-(pad_to // tokens_an_entry) // group.block_size))
+
+
+def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None,
+           tokens_an_entry: int) -> torch.Tensor:
+    """``group``'s block table of the step: as wide as its longest row, or (``pad_to``, checked by
+    ``_check_pad_to``) as wide as sequences of ``pad_to`` tokens need."""
+    if pad_to is None:
+        return group.table_tensor(ids, device)
+    return group.table_tensor(ids, device, min_width=_width(group, pad_to, tokens_an_entry))

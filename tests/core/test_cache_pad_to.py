@@ -102,3 +102,16 @@ def test_the_least_pad_to_named_for_a_compressed_group():
     with pytest.raises(DSV4ValueError, match="pad_to: expected a length >="):
         cache.plan_step([StepRequest("a", 1), StepRequest("b", 1)], pad_to=least - 1)
     cache.plan_step([StepRequest("a", 1), StepRequest("b", 1)], pad_to=least)
+
+
+def test_the_least_pad_to_named_fits_every_group():
+    """Pages of different sizes need different least lengths (swa 64 entries, c4 64 entries of 4 tokens,
+    state4 pages of 4): the refusal names the largest, once, and that length plans (it named swa's 513, then
+    c4's 516, then state4's 517 in turn when each group was checked alone)."""
+    cache = PlannedOnly(CFG, [1, 2], num_blocks=256)
+    cache.plan_step([StepRequest("a", 520)])
+    cache.rollback("a", 220)
+    with pytest.raises(DSV4ValueError, match=r"pad_to: expected a length >= (\d+) \(request 'a' holds") as error:
+        cache.plan_step([StepRequest("a", 1)], pad_to=301)
+    least = int(error.value.expected.split()[3])
+    cache.plan_step([StepRequest("a", 1)], pad_to=least)
