@@ -133,9 +133,12 @@ def _distribution(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
     return _name_and_version(dist) if dist is not None else (None, None)
 
 
-@functools.lru_cache(maxsize=256)  # keyed on the Distribution object (identity): its METADATA parsed once
+# Keyed on the Distribution object (identity): entry_points() makes new ones each call, so this saves the
+# repeats within one load (three or four look-ups an entry point); one METADATA parse a look-up
+@functools.lru_cache(maxsize=256)
 def _name_and_version(dist: metadata.Distribution) -> tuple[str | None, str | None]:
-    return dist.metadata["Name"], dist.version
+    meta = dist.metadata  # Distribution.version would parse it again
+    return meta["Name"], meta["Version"]
 
 
 def _is_builtin(ep: metadata.EntryPoint) -> bool:
