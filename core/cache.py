@@ -351,12 +351,6 @@ class PagedKVCache:
             return start - LayerKind.from_ratio(ratio).coff * ratio + 1
         return 0
 
-    def _end(self, name: str, end_pos: int) -> int:
-        """Logical entries group ``name`` holds once ``end_pos`` raw tokens exist."""
-        if name.startswith("c"):
-            return end_pos // int(name[1:])
-        return end_pos
-
     def plan_step(self, requests: Sequence[StepRequest], *, pad_to: int | None = None) -> Step:
         """Allocate pages for a step and derive its metadata (SPEC §10).
 
@@ -393,7 +387,7 @@ class PagedKVCache:
 
         plans = {}
         for name, group in self.groups.items():
-            plans[name] = [group.plan(r, self._first_needed(name, s), self._end(name, e))
+            plans[name] = [group.plan(r, self._first_needed(name, s), group.entries(e))
                            for r, s, e in zip(ids, starts, ends)]
             freed = sum(f for _, f, _ in plans[name])
             needed = sum(n for _, _, n in plans[name])

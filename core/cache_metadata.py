@@ -47,7 +47,7 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     if pad_to is not None:
         _check_pad_to(groups, ids, pad_to)
     swa_group = groups["swa"]
-    swa_bt = _table(swa_group, ids, dev, pad_to, 1)
+    swa_bt = _table(swa_group, ids, dev, pad_to)
     W = window
     swa_slot_mapping = slots_from_block_table(positions, token_request, swa_bt, swa_group.block_size)
     window_start = (positions - W + 1).clamp(min=0)
@@ -63,8 +63,8 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
             continue
         r = int(name[1:])
         comp, state = groups[name], groups[f"state{r}"]
-        comp_bt = _table(comp, ids, dev, pad_to, r)
-        state_bt = _table(state, ids, dev, pad_to, 1)
+        comp_bt = _table(comp, ids, dev, pad_to)
+        state_bt = _table(state, ids, dev, pad_to)
         closes = (positions + 1) % r == 0
         entry = torch.where(closes, positions // r, torch.full_like(positions, -1))
         hca_indices = hca_lens = topk_lens = None
@@ -106,11 +106,11 @@ def _check_pad_to(groups: dict[str, BlockPool], ids: Sequence[Hashable], pad_to:
     kept), naming the least length that every group's table fits: one group's least is not enough where a
     group of smaller pages holds more (swa 513 < c4 516 < state4 517)."""
     worst = None
-    for name, group in groups.items():
-        tokens_an_entry = int(name[1:]) if name.startswith("c") else 1
+    for group in groups.values():
         held, request = max(((group.logical_pages(r), r) for r in ids), key=lambda pair: pair[0])
-        if held > _width(group, pad_to, tokens_an_entry):
-            least = ((held - 1) * group.block_size + 1) * tokens_an_entry  # the least length needing ``held`` pages
+        if held > _width(group, pad_to):
+            # the least length needing ``held`` pages
+            least = ((held - 1) * group.block_size + 1) * group.tokens_an_entry
             if worst is None or least > worst[0]:
                 worst = (least, request, held, group)
     if worst is not None:
@@ -121,16 +121,14 @@ def _check_pad_to(groups: dict[str, BlockPool], ids: Sequence[Hashable], pad_to:
                                      "the drafts")
 
 
-def _width(group: BlockPool, pad_to: int, tokens_an_entry: int) -> int:
-    """Pages of ``group`` that sequences of ``pad_to`` tokens need (``tokens_an_entry``: r for a compressed
-    group, else 1)."""
-    return max(1, -(-(pad_to // tokens_an_entry) // group.block_size))
+def _width(group: BlockPool, pad_to: int) -> int:
+    """Pages of ``group`` that sequences of ``pad_to`` tokens need."""
+    return max(1, -(-group.entries(pad_to) // group.block_size))
 
 
-def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None,
-           tokens_an_entry: int) -> torch.Tensor:
+def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None) -> torch.Tensor:
     """``group``'s block table of the step: as wide as its longest row, or (``pad_to``, checked by
     ``_check_pad_to``) as wide as sequences of ``pad_to`` tokens need."""
     if pad_to is None:
         return group.table_tensor(ids, device)
-    return group.table_tensor(ids, device, min_width=_width(group, pad_to, tokens_an_entry))
+    return group.table_tensor(ids, device, min_width=_width(group, pad_to))

@@ -57,10 +57,14 @@ class PageTable:
 
 class BlockPool:
     """Physical pages of one cache group (``num_blocks`` pages of ``block_size`` entries) and the
-    request tables that own them. ``window`` is None for groups that keep every entry."""
+    request tables that own them. ``window`` is None for groups that keep every entry.
+
+    tokens_an_entry: raw tokens one entry stands for, from the name: ``r`` for a compressed group ``c{r}``
+    (an entry closes every ``r`` tokens, SPEC §5), 1 for ``swa`` and ``state{r}`` (a row a position)."""
 
     def __init__(self, name: str, block_size: int, num_blocks: int, window: int | None):
         self.name, self.block_size, self.num_blocks, self.window = name, block_size, num_blocks, window
+        self.tokens_an_entry = int(name[1:]) if name.startswith("c") else 1
         self.free_pages: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end
         self._tables: dict[Hashable, PageTable] = {}
 
@@ -79,6 +83,10 @@ class BlockPool:
         return sum(t.length - t.first_live for t in self._tables.values())
 
     # -- planning (read only) --------------------------------------------------------------------
+
+    def entries(self, num_tokens: int) -> int:
+        """Logical entries the group holds once a request has ``num_tokens`` raw tokens."""
+        return num_tokens // self.tokens_an_entry
 
     def plan(self, request_id: Hashable, first_needed: int, end: int) -> tuple[int, int, int]:
         """``(free_stop, freed, needed)``: logical pages ``[first_live, free_stop)`` (``freed`` of them)
