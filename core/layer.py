@@ -368,8 +368,10 @@ class Attention(nn.Module):
         return self._streams[x.device]
 
     def _indexer(self, calls: DirectOps | ModuleType, x: torch.Tensor, qr: torch.Tensor, step: Step,
-                 lc: LayerCache, lo: int, hi: int, capturing: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6)."""
+                 lc: LayerCache, lo: int, hi: int,
+                 windows_in_call: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Indexer keys for all tokens, then top-k (global slots, lens) for rows ``lo:hi`` (SPEC §6).
+        ``windows_in_call``: the promise of the layer's own ``compress_insert`` (the same ratio, 4)."""
         cfg, md, be, idx = self.cfg, step.metadata, self.backends, self.indexer
         rm = md.ratios[self.kind.ratio]
         key_format = step.cache.indexer_key_format
@@ -377,7 +379,7 @@ class Attention(nn.Module):
             idx.compressor.kv_score(x), md.positions, md.token_request, lc.indexer_state, rm.state.block_table,
             rm.state_slot_mapping, idx.compressor.ape, idx.compressor.norm.weight, self.cos_sin, lc.indexer_keys,
             rm.compressed_slot_mapping, ratio=4, head_dim=idx.head_dim, out_format=key_format,
-            profile=self.profile, eps=cfg.rms_norm_eps, windows_in_call=not capturing and md.windows_in_step(4),
+            profile=self.profile, eps=cfg.rms_norm_eps, windows_in_call=windows_in_call,
             backend=be["compress_insert"])
         if hi == lo:
             return None, None
@@ -453,6 +455,7 @@ class Attention(nn.Module):
             if self.compressor is not None:
                 rm = md.ratios[self.kind.ratio]
                 extra_cache = lc.compressed
+                windows_in_call = not capturing and md.windows_in_step(self.kind.ratio)  # replays differ
                 if streams:  # SPEC §3: compressor and indexer are independent of the q path until attention
                     for side in streams:
                         side.wait_stream(main)
@@ -462,13 +465,13 @@ class Attention(nn.Module):
                         rm.state_slot_mapping, self.compressor.ape, self.compressor.norm.weight, self.cos_sin,
                         lc.compressed, rm.compressed_slot_mapping, ratio=self.kind.ratio, head_dim=D,
                         out_format=kv_format, profile=self.profile, eps=cfg.rms_norm_eps,
-                        windows_in_call=not capturing and md.windows_in_step(self.kind.ratio),  # replays differ
+                        windows_in_call=windows_in_call,
                         backend=be["compress_insert"])
                 if self.indexer is None:  # HCA: every visible compressed entry
                     extra_indices, extra_lens = _rows(rm.hca_indices, lo, hi, T), _rows(rm.hca_lens, lo, hi, T)
                 else:  # CSA: keys for every token, the indexer's top-k for the rows (SPEC §6)
                     with _on(streams, 1):
-                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lc, lo, hi, capturing)
+                        extra_indices, extra_lens = self._indexer(calls, x, qr, step, lc, lo, hi, windows_in_call)
 
             # The q path (main stream), concurrent with the side streams. The fused op norms q and inserts kv
             # for all T tokens; only the rows' q is read below.
