@@ -127,26 +127,44 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
                  WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
-    then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score). HAS_LENS: only
-    the row's first ``lens[t]`` entries (int32 [T]) are read, every loop bounded by them.
-
-    1. Max order key of each group of G entries -> ``gkeys`` [T, ng_stride] int32; tau = a key with at
-       least k group maxima >= tau (bisection on the maxima), so at least k entries are >= tau.
-    2. Entries >= tau (typically a few times k) -> ``cand`` [T, KC] int64 (key << 32 | index) through
-       an atomic slot counter; sorted, the first k are the answer.
-    3. More than KC candidates (many ties): bisection on the row itself, then an ordered compaction.
-    """
+    then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score), by
+    ``_select_chunked``. HAS_LENS: only the row's first ``lens[t]`` entries (int32 [T]) are read, every loop
+    bounded by them, and a row of at most KC of them takes one sort (``_sort_row``, as ``_topk_reg_kernel``)."""
     t = tl.program_id(0).to(tl.int64)
-    NCH: tl.constexpr = min(CH, 512)  # bisection chunk ([NCH, WAYS] counters in registers)
     row = logits + t * n
-    n = _row_len(lens, t, n, HAS_LENS)  # from here on, the entries of the row read
-    grow = gkeys + t * ng_stride
+    if HAS_LENS:
+        n = _row_len(lens, t, n, HAS_LENS)
+        if n <= KC:
+            _sort_row(row, n, out + t * k, k, KC)
+        else:
+            _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS,
+                            KC, True)
+    else:
+        _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS, KC,
+                        False)
+
+
+@triton.jit
+def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: tl.constexpr, WAYS: tl.constexpr,
+                    KC: tl.constexpr, BISECT_ROW: tl.constexpr):
+    """The top k of ``row[:n]`` fp32 -> ``out_row`` [k] int32, streamed in chunks of CH entries.
+
+    1. Max order key of each group of G entries -> ``grow`` [ceil(n / G)] int32; tau = a key with at
+       least k group maxima >= tau (bisection on the maxima), so at least k entries are >= tau.
+    2. Entries >= tau (typically a few times k) -> ``crow`` [KC] int64 (key << 32 | index) through
+       the atomic slot counter ``count`` [1] int32; sorted, the first k are the answer.
+    3. More than KC candidates (many ties): bisection on the row itself, then an ordered compaction.
+    BISECT_ROW: the first pass also counts the valid entries; fewer than k group maxima and more than KC
+    valid entries go to ``_bisect_row`` before the one collect pass.
+    """
+    NCH: tl.constexpr = min(CH, 512)  # bisection chunk ([NCH, WAYS] counters in registers)
     offs = tl.arange(0, CH)
     ng = (n + G - 1) // G
     lowest = -2147483648
     gcount_acc = tl.zeros([CH // G], tl.int32)
     gmin_acc = tl.full([CH // G], 2147483647, tl.int32)
     max_acc = tl.full([CH // G], lowest, tl.int32)
+    valid_acc = tl.zeros([CH], tl.int32)
     x_next = tl.load(row + offs, mask=offs < n, other=float("-inf"))
     for s in range(0, n, CH):
         key = _ordered_key(x_next)
@@ -157,26 +175,25 @@ def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl
         gcount_acc += (gmax > lowest).to(tl.int32)
         gmin_acc = tl.minimum(gmin_acc, tl.where(gmax > lowest, gmax, 2147483647))
         max_acc = tl.maximum(max_acc, gmax)
+        if BISECT_ROW:
+            valid_acc += (key > lowest).to(tl.int32)
     groups = tl.sum(gcount_acc, 0)
     hi = tl.max(max_acc, 0).to(tl.int64) + 1
-    tl.store(counter + t, 0)
-    tl.debug_barrier()  # gkeys and the counter, written by other threads of this program
+    tl.store(count, 0)
+    tl.debug_barrier()  # grow and the counter, written by other threads of this program
     tau = lowest + 1  # fewer than k valid groups: every valid entry is a candidate
     if groups >= k:
         lo = tl.min(gmin_acc, 0).to(tl.int64)
         tau = _narrow(grow, ng, k, lo, hi, groups, groups * 0, k // 4, False, NCH, WAYS)[0].to(tl.int32)
-    crow = cand + t * KC
-    total = _collect(row, n, crow, counter + t, tau, CH, KC)
-    if HAS_LENS:  # noqa: SIM102 - a compile-time guard (only with row lengths; see _bisect_row)
-        if (total > KC) & (groups < k):
-            tau = _bisect_row(row, n, k, tau, hi, total, KC, WAYS)
-            tl.store(counter + t, 0)
-            tl.debug_barrier()
-            total = _collect(row, n, crow, counter + t, tau, CH, KC)
+    if BISECT_ROW:
+        valid = tl.sum(valid_acc, 0)
+        if (valid > KC) & (groups < k):
+            tau = _bisect_row(row, n, k, tau, hi, valid, KC, WAYS)
+    total = _collect(row, n, crow, count, tau, CH, KC)
     if total <= KC:
-        _emit_sorted(crow, out + t * k, total, k, KC)
+        _emit_sorted(crow, out_row, total, k, KC)
     else:
-        _fallback(row, n, out + t * k, crow, k, tau, hi, total, NCH, WAYS, KC)
+        _fallback(row, n, out_row, crow, k, tau, hi, total, NCH, WAYS, KC)
 
 
 @triton.jit
@@ -258,13 +275,14 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
         lo = tl.min(tl.where(gk > lowest, gk, 2147483647), 0).to(tl.int64)
         tau = _narrow_reg(gk, k, lo, hi, groups, groups * 0, k // 4, WAYS)[0].to(tl.int32)
     take = key >= tau
-    if BISECT_ROW:
-        total = tl.sum(tl.sum(take.to(tl.int32), 1), 0)
+    cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
+    total = tl.sum(cnt, 0)
+    if BISECT_ROW:  # noqa: SIM102 - a compile-time guard
         if (total > KC) & (groups < k):
             tau = _bisect_row(row, n, k, tau, hi, total, KC, WAYS)
             take = key >= tau
-    cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
-    total = tl.sum(cnt, 0)
+            cnt = tl.sum(take.to(tl.int32), 1)
+            total = tl.sum(cnt, 0)
     if THREAD_SCAN:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
         tk3 = tl.reshape(take.to(tl.int32), (NG // NT, NT, G))
         c2 = tl.sum(tk3, 2)  # [NG // NT, NT]
@@ -321,10 +339,12 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
 
     ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). ``row_lens`` int32 [T]: row t holds entries
     ``[0, row_lens[t])`` (clamped to [0, n]); the rest count as invalid and are never read (whatever they
-    hold), so a row costs what its entries cost, not n (the in-register kernel sorts a row of at most
-    ``candidates`` entries at once; same result). Exact selection; valid entries by descending
-    score, then the higher index among equal scores (rows with more than ``candidates`` entries at the
-    threshold, i.e. many ties, take an ordered-compaction fallback instead). Rows no longer than the
+    hold). A row of at most ``candidates`` entries takes one sort (same result); a longer one reads only
+    its entries, and the chunked kernel's passes run over them alone, but the in-register kernel still
+    reduces over the width's registers (next_pow2(n)): measured by ``tools/topk_padded.py``. Exact
+    selection; valid entries by descending score, then the higher index among equal scores (rows with
+    more than ``candidates`` entries at the threshold, i.e. many ties, take an ordered-compaction
+    fallback instead). Rows no longer than the
     candidate buffer (``n <= candidates``, e.g. 1024 entries at 4K context) take one sort of the row
     (``sort_max``: 0 turns that off); rows of at most ``reg_max`` entries (default ``REG_MAX``; 0: off)
     the in-register kernel, longer rows the chunked one (``chunk`` entries a step).
