@@ -230,8 +230,8 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
     ``_mx_tiles_scaled``); else the bf16 path. W: warps.
 
     BOUNDED: a row holds its first ``row_len = min(visible, max_entries)`` entries only, stored to
-    ``row_lens`` [T] int32, nothing written past them (a padded block table costs nothing), and the
-    ranges are the token's own: its tiles over at most the grid's splits, at least ``min_tiles`` tiles a
+    ``row_lens`` [T] int32, nothing written past them (a padded block table's extra entries are neither
+    read nor written), and the ranges are the token's own: its tiles over at most the grid's splits, at least ``min_tiles`` tiles a
     range (the host's rule for a whole row, applied to this row); programs past the row exit. Else
     ``chunk`` entries a program over the whole row, -inf past the visible entries."""
     t = tl.program_id(0).to(tl.int64)
@@ -290,11 +290,13 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
                         page_stride, value_bytes, scale_offset, scale_bytes, out_row, lo, scored_end, hi,
                         D, BN, MXFP4, QBLOCK, HW_E4M3, DOT_DTYPE)
         # Entries past the visible count (this range's tail): -inf.
-        tail = tl.maximum(scored_end, lo)
-        tail = lo + ((tail - lo) // BN) * BN  # tile-aligned; re-writes a partial tile's -inf, same values
-        for start in range(tail, hi, BN):
-            j = start + offs
-            tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=(j < hi) & (j >= scored_end))
+        # (BOUNDED: none, hi <= row_len <= visible)
+        if not BOUNDED:
+            tail = tl.maximum(scored_end, lo)
+            tail = lo + ((tail - lo) // BN) * BN  # tile-aligned; re-writes a partial tile's -inf, same values
+            for start in range(tail, hi, BN):
+                j = start + offs
+                tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=(j < hi) & (j >= scored_end))
 
 
 def q_codes(q: torch.Tensor, w: torch.Tensor, *, mxfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -441,7 +443,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     row_lens = torch.empty((num_tokens,), dtype=torch.int32, device=q.device) if select == "triton" else None
     logits = indexer_logits(q, w, positions, token_request, key_cache, layout, key_block_table,
                             topk=topk, ratio=ratio, row_lens=row_lens, **tuning)
-    if select == "triton":  # rows read to their visible entries only: a padded table costs nothing
+    if select == "triton":  # rows read to their visible entries only (what a padded row still costs: topk_indices)
         return topk_indices(logits, topk, row_lens=row_lens)
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     k = min(topk, logits.shape[1])
