@@ -19,6 +19,7 @@ step python3 tools/target_isa.py  # what the mxfp4 indexer lowers to on sm_90 / 
 step python3 tools/graph_guards_check.py  # capture before reserve_positions refused; refresh_weights reaches graphs; capture selects as eager
 step python3 tools/spec_decode_check.py  # verify steps with rollback: rejected rows never read; accepted = plain run
 step python3 tools/large_tokens_check.py  # [T, 128, 512] tensors past 2**31 elements (T = 32832)
+step python3 tools/topk_padded.py  # a padded row against the same row unpadded (top-k, CUDA-graph replay)
 if [ "${1:-}" != "quick" ]; then
   step python3 tools/gpu_check.py
 fi
