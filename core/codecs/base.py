@@ -217,8 +217,7 @@ class ByteCodec(Codec):
         """Per field of :meth:`unpack_page` (in its order), bool ``[page_stride]``: True where a page byte is
         read as that field. Derived from the codec's own field table (``to_fields`` / ``from_fields``): every
         field byte survives an all-0xFF round trip, and each field is packed alone."""
-        stride = self.format.page_stride(block_size) if page_stride is None else page_stride
-        probe = self.unpack_page(torch.full((1, stride), 0xFF, dtype=torch.uint8), block_size)
+        stride, probe = self._all_ones_fields(block_size, page_stride)
         return {name: self.pack_page({k: v if k == name else torch.zeros_like(v) for k, v in probe.items()},
                                      block_size, stride)[0] != 0
                 for name in probe}
@@ -227,9 +226,14 @@ class ByteCodec(Codec):
         """bool ``[page_stride]``: True where a page byte belongs to a field (what ``unpack_page`` and
         ``read_rows`` read), False for padding: scale pad bytes, record tails, the page tail. The union of
         :meth:`field_byte_masks` (one all-0xFF round trip: every field byte survives it)."""
+        stride, probe = self._all_ones_fields(block_size, page_stride)
+        return self.pack_page(probe, block_size, stride)[0] != 0
+
+    def _all_ones_fields(self, block_size: int, page_stride: int | None) -> tuple[int, dict[str, Tensor]]:
+        """``(page_stride, fields)``: the stride (the format's for ``block_size`` when None) and the
+        :meth:`unpack_page` fields of one all-0xFF uint8 ``[1, page_stride]`` page, the probe of both masks."""
         stride = self.format.page_stride(block_size) if page_stride is None else page_stride
-        probe = torch.full((1, stride), 0xFF, dtype=torch.uint8)
-        return self.pack_page(self.unpack_page(probe, block_size), block_size, stride)[0] != 0
+        return stride, self.unpack_page(torch.full((1, stride), 0xFF, dtype=torch.uint8), block_size)
 
     def pack_page(self, fields: dict[str, Tensor], block_size: int, page_stride: int | None = None) -> Tensor:
         """Inverse of :meth:`unpack_page`: uint8 ``[..., page_stride]`` with every padding byte 0."""
