@@ -46,46 +46,42 @@ def test_prefill_decodes_and_chunks_agree(layer_id):
                 assert verdict["passed"], (name, verdict)
 
 
-def test_layer_passes_the_windows_in_step_promise(monkeypatch):
-    """Each compress_insert call carries StepMetadata.windows_in_step: True on a fresh prefill and on a
-    decode that closes no block, False once a continuing request closes one (its window reaches back)."""
+@pytest.fixture
+def windows_promises(monkeypatch) -> list[tuple[int, bool]]:
+    """``(ratio, windows_in_call)`` of each ``dsv4.ops.compress_insert`` call, in order (the op still runs)."""
     from dsv4 import ops
 
-    seen = []
-    real = ops.compress_insert
+    seen, real = [], ops.compress_insert
 
     def spy(*args, **kwargs):
         seen.append((kwargs["ratio"], kwargs["windows_in_call"]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops, "compress_insert", spy)
+    return seen
+
+
+def test_layer_passes_the_windows_in_step_promise(windows_promises):
+    """Each compress_insert call carries StepMetadata.windows_in_step: True on a fresh prefill and on a
+    decode that closes no block, False once a continuing request closes one (its window reaches back)."""
     attn = tiny_layer(1)  # CSA: the main compressor and the indexer's, both r = 4
     with torch.no_grad():
         _run(attn, tiny_x(129), [5, 122, 1, 1])  # positions 0-4, 5-126, 127 (closes), 128
-    assert seen == [(4, True)] * 2 + [(4, False)] * 4 + [(4, True)] * 2
+    assert windows_promises == [(4, True)] * 2 + [(4, False)] * 4 + [(4, True)] * 2
 
 
-def test_no_windows_promise_while_capturing(monkeypatch):
+def test_no_windows_promise_while_capturing(monkeypatch, windows_promises):
     """A CUDA graph replays later steps whose windows reach back: a captured forward never promises
     ``windows_in_call`` (the replay would hold the capture step's promise), though the step would allow it."""
     import dsv4.layer as layer_module
-    from dsv4 import ops
 
-    seen = []
-    real = ops.compress_insert
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["windows_in_call"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "compress_insert", spy)
     attn = tiny_layer(1)
     attn.reserve_positions(64)
     with torch.no_grad():
         _run(attn, tiny_x(8), [8])  # a fresh prefill: the promise holds
         monkeypatch.setattr(layer_module, "capturing_on", lambda device: True)
         _run(attn, tiny_x(8), [8])
-    assert seen == [True, True, False, False]
+    assert windows_promises == [(4, True)] * 2 + [(4, False)] * 2
 
 
 def test_mixed_batch_equals_requests_run_alone():
