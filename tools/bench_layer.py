@@ -18,6 +18,8 @@ from dsv4 import Attention, ModelConfig, PagedKVCache, StepRequest
 from dsv4.codecs import get_codec
 from dsv4.metadata import copy_metadata_
 from dsv4.ops.dispatch import record_selections
+from dsv4.paging import SPEC_GROUPS
+from dsv4.specs.geometry import cache_geometry
 from dsv4.specs.layer_kinds import LayerKind
 
 
@@ -38,17 +40,18 @@ def _fill(cache: PagedKVCache) -> None:
                 codec.write_rows(storage, chunk, rows, check=False)
 
 
-def request_pages(context: int) -> dict[str, int]:
-    """Pages a group needs for one request of ``context`` tokens, with room to spare (entries a page:
-    ``dsv4.specs.geometry``)."""
-    return {"swa": context // 64 + 2, "c4": context // 256 + 2, "c128": context // 256 + 2,
-            "state4": context // 4 + 2, "state128": context // 8 + 2}
+def request_pages(cfg: ModelConfig, context: int) -> dict[str, int]:
+    """``{cache group: pages}`` (``PagedKVCache``'s group names) one request of ``context`` tokens needs, two
+    to spare: a page per ``raw_tokens_per_page`` of the group in ``cfg``'s ``vllm`` geometry, the cache's
+    default (``dsv4.specs.geometry``)."""
+    per_page = {group.name: group.raw_tokens_per_page for group in cache_geometry(cfg).groups}
+    return {name: context // per_page[group] + 2 for name, group in SPEC_GROUPS.items() if group in per_page}
 
 
 def _filled_cache(cfg: ModelConfig, layer_ids: list[int], lens: dict, context: int, device: str) -> PagedKVCache:
     """A cache holding the requests ``lens`` ({id: tokens}, none over ``context``), every page filled
     (``_fill``). Seeded: the same bytes every call."""
-    pages = request_pages(context)
+    pages = request_pages(cfg, context)
     cache = PagedKVCache(cfg, layer_ids, num_blocks={k: len(lens) * v for k, v in pages.items()}, device=device)
     step = cache.plan_step([StepRequest(i, n) for i, n in lens.items()])
     torch.manual_seed(0)

@@ -37,8 +37,8 @@ def schedule(batch: int, drafts: int, steps: int, seed: int = 0) -> tuple[list[i
 
 
 def _cache(cfg: ModelConfig, layer_id: int, longest: int, batch: int, device: str) -> PagedKVCache:
-    cache = PagedKVCache(cfg, [layer_id], num_blocks={k: batch * v for k, v in request_pages(longest).items()},
-                         device=device)
+    pages = request_pages(cfg, longest)
+    cache = PagedKVCache(cfg, [layer_id], num_blocks={k: batch * v for k, v in pages.items()}, device=device)
     torch.manual_seed(0)
     _fill(cache)  # stale bytes everywhere: a read past what a token may see would show
     return cache

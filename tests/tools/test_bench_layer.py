@@ -37,3 +37,18 @@ def test_the_inference_mode_step_runs_and_matches_no_grad_on_cpu():
     rows = tool.inference_mode_step(batch=3, context=300, layers=2, preset="tiny", device="cpu")
     assert [r["layer"] for r in rows] == ["CSA 1", "HCA 2"]
     assert all(r["equal_to_no_grad"] and r["schedules_a_step"] == 0 for r in rows)
+
+
+def test_request_pages_reads_the_pages_of_the_specs_geometry():
+    """A page per ``raw_tokens_per_page`` of dsv4.specs.geometry's vllm groups, two to spare: the numbers the
+    script always used (64 tokens an SWA page, 256 a compressed page, 4 and 8 state rows), enough for the
+    request's prefill in every group."""
+    from dsv4.paging import SPEC_GROUPS
+    from dsv4.specs.geometry import cache_geometry
+
+    cfg = ModelConfig.preset("v4-flash")
+    pages = tool.request_pages(cfg, 4096)
+    assert pages == {"swa": 66, "c4": 18, "c128": 18, "state4": 1026, "state128": 514}
+    geometry = cache_geometry(cfg)
+    for name, group in SPEC_GROUPS.items():
+        assert pages[name] >= geometry.group(group).pages_for(4096, step_tokens=4096), name
