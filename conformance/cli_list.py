@@ -62,9 +62,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def plugin_problems(registry: Any) -> list[str]:
-    """One line per plugin that failed to load or was refused: ``plugin <label> failed to load: <error>``."""
-    return [f"plugin {s.label()} failed to load: {s.error}" for s in registry.plugin_statuses()
-            if s.state == "failed"]
+    """One line per plugin that failed to load or was refused (``PluginStatus.problem``)."""
+    return [s.problem() for s in registry.plugin_statuses() if s.state == "failed"]
 
 
 def print_plugin_problems(console: Any, registry: Any) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from dsv4.conformance.runner import SuiteResult, expectation, far_not_run, first_failure
+from dsv4.plugin_status import PluginStatus
 
 __all__ = [
     "REPORT_SCHEMA",
@@ -173,7 +174,9 @@ def junit_xml(report: dict[str, Any]) -> str:
                          skipped=len(failed), time="0")
         for plugin in failed:
             case = _element(suite, "testcase", classname="dsv4.plugins", name=plugin["name"], time="0")
-            _element(case, "skipped", message=f"plugin {plugin['name']} failed to load: {plugin['error']}"[:1000])
+            status = PluginStatus(plugin["name"], plugin.get("value", ""), plugin.get("distribution"),
+                                  plugin.get("version"), "failed", plugin["error"])
+            _element(case, "skipped", message=status.problem()[:1000])
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 

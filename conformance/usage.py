@@ -37,8 +37,7 @@ def check_backend_names(registry: Any, names: Sequence[str], argument: str = "--
             continue
         status = statuses.get(name)
         if status is not None and status.state != "loaded":
-            verb = "failed to load" if status.state == "failed" else "is blocked"
-            hint = f"plugin {status.label()} {verb}: {status.error or status.state}"
+            hint = status.problem()
         else:
             hint = registry.failed_plugins_hint()
         raise UsageError.of(argument, f"one of {', '.join(known) or '(none)'}", repr(name), hint=hint)

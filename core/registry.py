@@ -42,14 +42,14 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Literal
+from typing import Any
 
 import pluggy
 from dsv4 import hookspecs
 from dsv4.backend import Backend, OpRequest, one_line
 from dsv4.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME
+from dsv4.plugin_status import PluginStatus
 from dsv4.specs.errors import BackendUnavailableError, NoBackendError
 
 __all__ = [
@@ -85,8 +85,6 @@ BUILTIN_NAMES: frozenset[str] = frozenset(name for names in PLATFORM_PRIORITIES.
 
 SLOW_PLUGIN_SECONDS = 1.0  # a plugin's import and registration; the hook should import no vendor package
 
-PluginState = Literal["loaded", "failed", "blocked"]
-
 
 class PluginLoadError(BackendUnavailableError):
     """A plugin failed to load while ``DSV4_STRICT_PLUGINS=1``."""
@@ -95,33 +93,6 @@ class PluginLoadError(BackendUnavailableError):
 class PluginRefusedError(BackendUnavailableError):
     """A plugin registers what it may not: a built-in's or an already registered backend name, an entry point
     name of another distribution, a backend claiming ops it does not implement (the plugin's ``error``)."""
-
-
-@dataclass
-class PluginStatus:
-    """What happened to one entry point (or directly loaded plugin)."""
-
-    name: str
-    value: str = ""
-    distribution: str | None = None
-    version: str | None = None
-    state: PluginState = "loaded"
-    error: str | None = None
-    traceback: str | None = None
-    backends: list[str] = field(default_factory=list)
-    builtin: bool = False  # an entry point of BUILTIN_DISTRIBUTION
-    seconds: float | None = None  # import and registration (None: not loaded, e.g. blocked)
-
-    def label(self) -> str:
-        """``"acme (acme-dsv4 0.1.0)"``: the plugin and where it comes from."""
-        where = " ".join(str(x) for x in (self.distribution, self.version) if x)
-        return f"{self.name} ({where})" if where else self.name
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "distribution": self.distribution,
-                "version": self.version, "state": self.state, "error": self.error,
-                "backends": list(self.backends), "builtin": self.builtin,
-                "load_seconds": None if self.seconds is None else round(self.seconds, 4)}
 
 
 def _env_flag(name: str) -> bool:
@@ -256,7 +227,7 @@ class Registry:
         status.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self._statuses[status.name] = status
         if strict:
-            raise PluginLoadError(f"plugin {status.name} ({status.value}) failed to load: {status.error}",
+            raise PluginLoadError(status.problem(),
                                   argument="plugin", expected="a loadable plugin", received=status.name) from exc
 
     def _register_plugin(self, plugin: object, status: PluginStatus, strict: bool, started: float) -> None:
@@ -455,8 +426,7 @@ class Registry:
             if not reasons:
                 return self._backends[name]
         lines = [f"  {name}: {'; '.join(reasons)}" for name, reasons in candidates]
-        failed = [s for s in self.plugin_statuses() if s.state == "failed"]
-        lines += [f"  plugin {s.name} failed to load: {s.error}" for s in failed]
+        lines += [f"  {s.problem()}" for s in self.plugin_statuses() if s.state == "failed"]
         raise NoBackendError(
             f"no backend can run {request.describe()} on platform {request.platform}; candidates:\n"
             + ("\n".join(lines) if lines else "  (no backend registered)"),
