@@ -154,8 +154,8 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
     2. Entries >= tau (typically a few times k) -> ``crow`` [KC] int64 (key << 32 | index) through
        the atomic slot counter ``count`` [1] int32; sorted, the first k are the answer.
     3. More than KC candidates (many ties): bisection on the row itself, then an ordered compaction.
-    BISECT_ROW: the first pass also counts the valid entries; fewer than k group maxima and more than KC
-    valid entries go to ``_bisect_row`` before the one collect pass.
+    BISECT_ROW: the first pass also counts the valid entries and finds the least; fewer than 2k group
+    maxima and more than KC valid entries go to ``_bisect_row`` before the one collect pass.
     """
     NCH: tl.constexpr = min(CH, 512)  # bisection chunk ([NCH, WAYS] counters in registers)
     offs = tl.arange(0, CH)
@@ -165,6 +165,7 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
     gmin_acc = tl.full([CH // G], 2147483647, tl.int32)
     max_acc = tl.full([CH // G], lowest, tl.int32)
     valid_acc = tl.zeros([CH], tl.int32)
+    kmin_acc = tl.full([CH], 2147483647, tl.int32)
     x_next = tl.load(row + offs, mask=offs < n, other=float("-inf"))
     for s in range(0, n, CH):
         key = _ordered_key(x_next)
@@ -177,6 +178,7 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
         max_acc = tl.maximum(max_acc, gmax)
         if BISECT_ROW:
             valid_acc += (key > lowest).to(tl.int32)
+            kmin_acc = tl.minimum(kmin_acc, tl.where(key > lowest, key, 2147483647))
     groups = tl.sum(gcount_acc, 0)
     hi = tl.max(max_acc, 0).to(tl.int64) + 1
     tl.store(count, 0)
@@ -187,8 +189,8 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
         tau = _narrow(grow, ng, k, lo, hi, groups, groups * 0, k // 4, False, NCH, WAYS)[0].to(tl.int32)
     if BISECT_ROW:
         valid = tl.sum(valid_acc, 0)
-        if (valid > KC) & (groups < k):
-            tau = _bisect_row(row, n, k, tau, hi, valid, KC, WAYS)
+        if (valid > KC) & (groups < 2 * k):  # from tau (count <= valid) or, fewer than k groups, the least key
+            tau = _bisect_row(row, n, k, tl.where(groups >= k, tau, tl.min(kmin_acc, 0)), valid, hi, KC, WAYS)
     total = _collect(row, n, crow, count, tau, CH, KC)
     if total <= KC:
         _emit_sorted(crow, out_row, total, k, KC)
@@ -235,12 +237,13 @@ def _collect(row, n, crow, count, tau, CH: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def _bisect_row(row, n, k, tau, hi, total, KC: tl.constexpr, WAYS: tl.constexpr):
-    """A threshold with k..KC-1 entries of ``row[:n]`` at or above it, by bisection on the entries, for a row
-    whose group maxima were fewer than k (tau = the lowest valid key; ``total`` >= KC valid entries; ``hi``:
-    max key + 1): with ``row_lens``, where a row far shorter than the width got the width's coarse groups,
-    instead of the many-ties fallback (the result the row's own grouping gives: candidates sorted)."""
-    return _narrow(row, n, k, tau.to(tl.int64), hi, total, total * 0, KC - k, True, 512, WAYS)[0].to(tl.int32)
+def _bisect_row(row, n, k, lo, c_lo, hi, KC: tl.constexpr, WAYS: tl.constexpr):
+    """A threshold with k..KC-1 entries of ``row[:n]`` at or above it, by bisection on the entries from ``lo``
+    (int32, count(key >= lo) = ``c_lo`` >= k, or an upper bound of it above KC) to ``hi`` (max key + 1,
+    int64): with ``row_lens``, for a row far shorter than the width, whose groups (sized for the width)
+    number fewer than 2k and leave a weak threshold: one sorted candidate set instead of the many-ties
+    fallback (the result the row's own grouping gives)."""
+    return _narrow(row, n, k, lo.to(tl.int64), hi, c_lo, c_lo * 0, KC - k, True, 512, WAYS)[0].to(tl.int32)
 
 
 @triton.jit
@@ -278,8 +281,8 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
     total = tl.sum(cnt, 0)
     if BISECT_ROW:  # noqa: SIM102 - a compile-time guard
-        if (total > KC) & (groups < k):
-            tau = _bisect_row(row, n, k, tau, hi, total, KC, WAYS)
+        if (total > KC) & (groups < 2 * k):  # from the least candidate key: count(key >= it) = total
+            tau = _bisect_row(row, n, k, tl.min(tl.min(tl.where(take, key, 2147483647), 1), 0), total, hi, KC, WAYS)
             take = key >= tau
             cnt = tl.sum(take.to(tl.int32), 1)
             total = tl.sum(cnt, 0)

@@ -145,9 +145,10 @@ def test_topk_row_lens_read_only_the_row(variant: str) -> None:
     are -inf, and the same again when the tails hold garbage (+inf, huge, NaN, ties): nothing past a row's
     length is read. Rows shorter than / as long as / longer than k, empty, past n (clamped), with heavy
     ties at the cut (the fallback of the threshold kernels) and NaNs inside. One exception: a row that
-    has fewer group maxima than k (groups sized for the width, not the row) and more than ``candidates``
-    entries goes to the ordered-compaction fallback without lengths; with them it is bisected on its
-    entries and comes out as one sort of the row orders it (as an unpadded row would)."""
+    has fewer than 2k group maxima (groups sized for the width, not the row), whose threshold leaves more
+    than ``candidates`` entries, goes to the ordered-compaction fallback without lengths; with them it is
+    bisected on its entries and comes out as one sort of the row orders it (as an unpadded row would):
+    row 13 (fewer than k maxima) and row 12 (k..2k maxima, every group's entries close to its maximum)."""
     from dsv4.backends.triton.topk import topk_indices
 
     k, n = 24, 200 if variant == "sort" else 600
@@ -158,6 +159,10 @@ def test_topk_row_lens_read_only_the_row(variant: str) -> None:
     logits[7] = 1.0  # all equal: the fallback's ordered compaction where the row is long
     logits[8, ::7] = float("nan")
     logits[10, 1::3] = float("-inf")
+    # 300 entries, 38 groups, each group's entries close to its level: ~24 * 8 entries >= tau; one group far
+    # above the rest (the fallback places its 8 entries first, in index order)
+    level = torch.randperm(n // 8 + 1, generator=g).float().repeat_interleave(8)[:n]
+    logits[12] = torch.where(level == level[:300].max(), 1e6, 1.0) * (level + 1e-3 * torch.rand(n, generator=g))
     in_row = torch.arange(n)[None, :] < lens[:, None]
     clean = torch.where(in_row, logits, float("-inf"))
     kwargs = _VARIANTS[variant]
@@ -165,9 +170,10 @@ def test_topk_row_lens_read_only_the_row(variant: str) -> None:
     one_sort = topk_indices(clean, k, sort_max=n)
     got = topk_indices(clean, k, row_lens=lens, **kwargs)
     coarse = torch.zeros(lens.numel(), dtype=torch.bool)
-    if variant != "sort":  # groups of 8 (n = 600, k = 24): the row of 180 entries has 23 maxima, 180 > 64
-        coarse[13] = True
-        assert not torch.equal(want[13], one_sort[13])  # without lengths: the fallback's order, not the sort's
+    if variant != "sort":  # groups of 8 (n = 600, k = 24): rows of 180 / 300 entries have 23 / 38 maxima
+        coarse[12:14] = True
+        for row in (12, 13):  # without lengths: the fallback's order, not the sort's
+            assert not torch.equal(want[row], one_sort[row]), row
     assert not torch.equal(want[7], one_sort[7]) or variant == "sort"  # all ties: the fallback either way
     assert torch.equal(got[~coarse], want[~coarse])
     assert torch.equal(got[coarse], one_sort[coarse])
