@@ -7,7 +7,7 @@ the entries above its upper bound in index order (SPEC §6.3 leaves the order op
 ``REG_MAX`` entries are held in registers whole (``_topk_reg_kernel``: one load, in-register bisection,
 one scan places the candidates); longer rows are streamed in chunks (``_topk_kernel``). With per-row
 lengths (``row_lens``, e.g. a padded block table's real entries) every kernel reads a row's first entries
-only and loops over them alone. See ``topk_indices``.
+only and loops over them alone, and each row takes the path its own length calls for. See ``topk_indices``.
 """
 from __future__ import annotations
 
@@ -125,17 +125,28 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
-                 WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr):
+                 WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr, RP: tl.constexpr = 0,
+                 RG: tl.constexpr = 1, RBG: tl.constexpr = 1, RNT: tl.constexpr = 1, RSCAN: tl.constexpr = False):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
     then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score), by
     ``_select_chunked``. HAS_LENS: only the row's first ``lens[t]`` entries (int32 [T]) are read, every loop
-    bounded by them, and a row of at most KC of them takes one sort (``_sort_row``, as ``_topk_reg_kernel``)."""
+    bounded by them; a row of at most KC of them takes one sort (``_sort_row``, as ``_topk_reg_kernel``),
+    and with RP > 0 a row of at most RP of them ``_select_in_registers`` at NP = RP (its G = RG, BG = RBG,
+    NT = RNT, THREAD_SCAN = RSCAN, 8 ways; ``gkeys`` rows hold RP // RG), as an unpadded row of RP would."""
     t = tl.program_id(0).to(tl.int64)
     row = logits + t * n
     if HAS_LENS:
         n = _row_len(lens, t, n, HAS_LENS)
         if n <= KC:
             _sort_row(row, n, out + t * k, k, KC)
+        elif RP > 0:
+            if n <= RP:
+                _select_in_registers(row, n, out + t * k, gkeys + t * ng_stride,
+                                     (cand + t * KC).to(tl.pointer_type(tl.int32)), k, RP, RG, RBG, 8, KC, RNT,
+                                     RSCAN, True)
+            else:
+                _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH,
+                                WAYS, KC, True)
         else:
             _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS,
                             KC, True)
@@ -258,15 +269,18 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     (``_narrow_reg``); the indices of the entries >= tau go to ``crow`` [2 * KC] int32 (second half) at
     slots from one scan of per-thread counts (THREAD_SCAN, NT threads) or of the counts of groups of G
     entries, both in index order; their keys are re-read from the row for the sort (``_emit_sorted``).
-    BISECT_ROW: see ``_bisect_row``.
+    BISECT_ROW (``row_lens``): a row with fewer than 2k maxima of BG entries (BG sized for NP entries) and
+    more than KC candidates is narrowed on the maxima of G entries (``grow`` then holds [NP // G]) where
+    they number 2k or more, and then, still over KC, on its entries (``_bisect_row``).
     """
     NG: tl.constexpr = NP // G
     lowest = -2147483648
     e = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G] entry index
     key = _ordered_key(tl.load(row + e, mask=e < n, other=float("-inf")))
-    gmax = tl.max(key, 1)
+    fmax = tl.max(key, 1)  # [NG] maxima of groups of G
+    gmax = fmax
     if BG > G:  # bisection on the maxima of BG entries (fewer values a bisection step)
-        gmax = tl.max(tl.reshape(gmax, (NP // BG, BG // G)), 1)
+        gmax = tl.max(tl.reshape(fmax, (NP // BG, BG // G)), 1)
     groups = tl.sum((gmax > lowest).to(tl.int32), 0)
     hi = tl.max(gmax, 0).to(tl.int64) + 1  # max key + 1, kept for the fallback
     tau = lowest + 1  # fewer than k valid groups: every valid entry is a candidate
@@ -281,11 +295,26 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
     total = tl.sum(cnt, 0)
     if BISECT_ROW:  # noqa: SIM102 - a compile-time guard
-        if (total > KC) & (groups < 2 * k):  # from the least candidate key: count(key >= it) = total
-            tau = _bisect_row(row, n, k, tl.min(tl.min(tl.where(take, key, 2147483647), 1), 0), total, hi, KC, WAYS)
-            take = key >= tau
-            cnt = tl.sum(take.to(tl.int32), 1)
-            total = tl.sum(cnt, 0)
+        if (total > KC) & (groups < 2 * k):  # a row shorter than the width its BG was chosen for
+            if BG > G:  # a compile-time guard
+                fine = tl.sum((fmax > lowest).to(tl.int32), 0)
+                if fine >= 2 * k:  # the maxima of groups of G instead (grow holds NP // G of them)
+                    tl.debug_barrier()  # every thread has read the maxima of BG entries
+                    fi = tl.arange(0, NG)
+                    tl.store(grow + fi, fmax)
+                    tl.debug_barrier()
+                    fk = tl.load(grow + fi)
+                    lo = tl.min(tl.where(fk > lowest, fk, 2147483647), 0).to(tl.int64)
+                    tau = _narrow_reg(fk, k, lo, hi, fine, fine * 0, k // 4, WAYS)[0].to(tl.int32)
+                    take = key >= tau
+                    cnt = tl.sum(take.to(tl.int32), 1)
+                    total = tl.sum(cnt, 0)
+            if total > KC:  # bisection on the entries, from the least candidate: count(key >= it) = total
+                least = tl.min(tl.min(tl.where(take, key, 2147483647), 1), 0)
+                tau = _bisect_row(row, n, k, least, total, hi, KC, WAYS)
+                take = key >= tau
+                cnt = tl.sum(take.to(tl.int32), 1)
+                total = tl.sum(cnt, 0)
     if THREAD_SCAN:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
         tk3 = tl.reshape(take.to(tl.int32), (NG // NT, NT, G))
         c2 = tl.sum(tk3, 2)  # [NG // NT, NT]
@@ -340,17 +369,20 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
                  row_lens: torch.Tensor | None = None) -> torch.Tensor:
     """[T, topk] int32: per row the indices of the ``topk`` largest finite logits (by score), then -1.
 
-    ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). ``row_lens`` int32 [T]: row t holds entries
-    ``[0, row_lens[t])`` (clamped to [0, n]); the rest count as invalid and are never read (whatever they
-    hold). A row of at most ``candidates`` entries takes one sort (same result); a longer one reads only
-    its entries, and the chunked kernel's passes run over them alone, but the in-register kernel still
-    reduces over the width's registers (next_pow2(n)): measured by ``tools/topk_padded.py``. Exact
-    selection; valid entries by descending score, then the higher index among equal scores (rows with
-    more than ``candidates`` entries at the threshold, i.e. many ties, take an ordered-compaction
-    fallback instead). Rows no longer than the
+    ``logits`` [T, n] fp32 (-inf / NaN: invalid entries). Exact selection; valid entries by descending
+    score, then the higher index among equal scores (rows with more than ``candidates`` entries at the
+    threshold, i.e. many ties, take an ordered-compaction fallback instead). Rows no longer than the
     candidate buffer (``n <= candidates``, e.g. 1024 entries at 4K context) take one sort of the row
     (``sort_max``: 0 turns that off); rows of at most ``reg_max`` entries (default ``REG_MAX``; 0: off)
     the in-register kernel, longer rows the chunked one (``chunk`` entries a step).
+
+    ``row_lens`` int32 [T]: row t holds entries ``[0, row_lens[t])`` (clamped to [0, n]); the rest count as
+    invalid and are never read (whatever they hold). Each row then takes its own path: at most
+    ``candidates`` entries one sort; in a table wider than ``reg_max``, at most ``reg_max`` (its widest
+    power of two) the in-register select at that width; a row with fewer than 2 * topk group maxima (the
+    groups sized for the width) a threshold from finer groups or from its entries, not the fallback. The
+    set the row unpadded gives (and its order, short of many ties); what a padded row still costs:
+    ``tools/topk_padded.py``.
 
     Knobs: ``ways`` (bisection fan-out; default 8 in registers, 16 chunked), ``candidates`` (the largest
     candidate set sorted), ``group`` (entries a group maximum; the default leaves >= 2 * topk group
@@ -372,25 +404,41 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
         _topk_sort_kernel[(num_tokens,)](logits, n, out=out, k=topk, NP=max(next_pow2(n), next_pow2(topk)), **lens,
                                          **extra)
         return out
-    g = group or max(1, min(16, next_pow2(n // (2 * topk) + 1) // 2))
+    g = group or _group(n, topk)
     extra = {} if INTERPRET else {"num_warps": num_warps or 16}
+    nt = 32 * extra.get("num_warps", 4)
     cand = torch.empty((num_tokens, kc), dtype=torch.int64, device=logits.device)
     np_ = max(next_pow2(n), g)
-    if np_ <= (REG_MAX if reg_max is None else reg_max):
+    reg = REG_MAX if reg_max is None else reg_max
+    if np_ <= reg:
         pg = min(_PLACE_GROUP, g)
-        nt = 32 * extra.get("num_warps", 4)
-        gkeys = torch.empty((num_tokens, np_ // g), dtype=torch.int32, device=logits.device)
+        # with row_lens, room for the maxima of groups of pg (a short row's threshold, _select_in_registers)
+        gkeys = torch.empty((num_tokens, np_ // (g if row_lens is None else pg)), dtype=torch.int32,
+                            device=logits.device)
         _topk_reg_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, cand=cand.view(torch.int32), k=topk, NP=np_,
                                         G=pg, BG=g, WAYS=ways or 8, KC=kc, NT=nt, THREAD_SCAN=(np_ // pg) % nt == 0,
                                         **lens, **extra)
         return out
     ch = max(chunk or (64 if INTERPRET else 2048), g)
     ng = -(-n // g)
+    # with row_lens, rows of at most `reg` entries (the widest power of two) in registers, grouped as a row that wide
+    rp = 1 << (reg.bit_length() - 1) if row_lens is not None and reg > kc else 0
+    tier = {}
+    if rp:
+        rbg = group or _group(rp, topk)
+        rg = min(_PLACE_GROUP, rbg)
+        tier = {"RP": rp, "RG": rg, "RBG": rbg, "RNT": nt, "RSCAN": (rp // rg) % nt == 0}
+        ng = max(ng, rp // rg)
     gkeys = torch.empty((num_tokens, ng), dtype=torch.int32, device=logits.device)
     counter = torch.empty((num_tokens,), dtype=torch.int32, device=logits.device)
     _topk_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, ng_stride=ng, cand=cand, counter=counter, k=topk,
-                                G=g, CH=ch, WAYS=ways or 16, KC=kc, **lens, **extra)
+                                G=g, CH=ch, WAYS=ways or 16, KC=kc, **tier, **lens, **extra)
     return out
+
+
+def _group(n: int, topk: int) -> int:
+    """Entries a group maximum for rows of n: at least 2 * topk maxima a full row, at most 16 entries."""
+    return max(1, min(16, next_pow2(n // (2 * topk) + 1) // 2))
 
 
 @triton.jit

@@ -135,7 +135,8 @@ def test_local_to_global_is_the_metadata_conversion(monkeypatch) -> None:
 
 
 _VARIANTS = {"sort": {}, "register": {"candidates": 64}, "register_groups": {"candidates": 64, "group": 8},
-             "chunked": {"candidates": 64, "reg_max": 0, "chunk": 64}}
+             "chunked": {"candidates": 64, "reg_max": 0, "chunk": 64},
+             "chunked_tier": {"candidates": 64, "reg_max": 512, "chunk": 64, "group": 8}}
 
 
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
