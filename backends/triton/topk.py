@@ -7,7 +7,8 @@ the entries above its upper bound in index order (SPEC §6.3 leaves the order op
 ``REG_MAX`` entries are held in registers whole (``_topk_reg_kernel``: one load, in-register bisection,
 one scan places the candidates); longer rows are streamed in chunks (``_topk_kernel``). With per-row
 lengths (``row_lens``, e.g. a padded block table's real entries) every kernel reads a row's first entries
-only and loops over them alone, and each row takes the path its own length calls for. See ``topk_indices``.
+only and loops over them alone, and a short row takes the path of its own length (``_short_row``). See
+``topk_indices``.
 """
 from __future__ import annotations
 
@@ -125,34 +126,44 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
-                 WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr, RP: tl.constexpr = 0,
-                 RG: tl.constexpr = 1, RBG: tl.constexpr = 1, RNT: tl.constexpr = 1, RSCAN: tl.constexpr = False):
+                 WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr, NT: tl.constexpr = 128,
+                 TA: tl.constexpr = 0, TA_BG: tl.constexpr = 1, TB: tl.constexpr = 0, TB_BG: tl.constexpr = 1):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
     then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score), by
     ``_select_chunked``. HAS_LENS: only the row's first ``lens[t]`` entries (int32 [T]) are read, every loop
-    bounded by them; a row of at most KC of them takes one sort (``_sort_row``, as ``_topk_reg_kernel``),
-    and with RP > 0 a row of at most RP of them ``_select_in_registers`` at NP = RP (its G = RG, BG = RBG,
-    NT = RNT, THREAD_SCAN = RSCAN, 8 ways; ``gkeys`` rows hold RP // RG), as an unpadded row of RP would."""
+    bounded by them, and a short row takes the path of its own length (``_short_row``: one sort, or the
+    in-register select at the width TA or TB)."""
     t = tl.program_id(0).to(tl.int64)
     row = logits + t * n
     if HAS_LENS:
         n = _row_len(lens, t, n, HAS_LENS)
-        if n <= KC:
-            _sort_row(row, n, out + t * k, k, KC)
-        elif RP > 0:
-            if n <= RP:
-                _select_in_registers(row, n, out + t * k, gkeys + t * ng_stride,
-                                     (cand + t * KC).to(tl.pointer_type(tl.int32)), k, RP, RG, RBG, 8, KC, RNT,
-                                     RSCAN, True)
-            else:
-                _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH,
-                                WAYS, KC, True)
+        if n <= max(KC, TA, TB):
+            _short_row(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, k, KC, NT, TA, TA_BG, TB, TB_BG)
         else:
             _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS,
                             KC, True)
     else:
         _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS, KC,
                         False)
+
+
+@triton.jit
+def _short_row(row, n, out_row, grow, crow, k, KC: tl.constexpr, NT: tl.constexpr, TA: tl.constexpr,
+               TA_BG: tl.constexpr, TB: tl.constexpr, TB_BG: tl.constexpr):
+    """``row[:n]`` fp32, n <= max(KC, TA, TB) -> ``out_row`` [k] int32, by the row's own length: at most KC
+    entries one sort (``_sort_row``); else at most TA (0: none) ``_select_in_registers`` at NP = TA with
+    groups of TA_BG, else at most TB likewise (NP = TB, TB_BG), each as an unpadded row that wide (NT
+    threads, 8 ways). ``grow``: int32, room for TA // TA_BG and TB // TB_BG; ``crow``: int64 [KC]."""
+    if n <= KC:
+        _sort_row(row, n, out_row, k, KC)
+    if TA > KC:  # noqa: SIM102 - a compile-time guard
+        if (n > KC) & (n <= TA):
+            _select_in_registers(row, n, out_row, grow, crow.to(tl.pointer_type(tl.int32)), k, TA, min(4, TA_BG),
+                                 TA_BG, 8, KC, NT, (TA // min(4, TA_BG)) % NT == 0, True)
+    if TB > max(KC, TA):  # noqa: SIM102 - a compile-time guard
+        if (n > max(KC, TA)) & (n <= TB):
+            _select_in_registers(row, n, out_row, grow, crow.to(tl.pointer_type(tl.int32)), k, TB, min(4, TB_BG),
+                                 TB_BG, 8, KC, NT, (TB // min(4, TB_BG)) % NT == 0, True)
 
 
 @triton.jit
@@ -210,24 +221,27 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
 
 
 @triton.jit
-def _topk_reg_kernel(logits, n, lens, out, gkeys, cand, k, NP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                     WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr, THREAD_SCAN: tl.constexpr,
-                     HAS_LENS: tl.constexpr):
+def _topk_reg_kernel(logits, n, lens, out, gkeys, ng_stride, cand, k, NP: tl.constexpr, G: tl.constexpr,
+                     BG: tl.constexpr, WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr,
+                     THREAD_SCAN: tl.constexpr, HAS_LENS: tl.constexpr, TA: tl.constexpr = 0,
+                     TA_BG: tl.constexpr = 1):
     """Program t: row t of logits [T, n] fp32 by ``_select_in_registers``; HAS_LENS: its first ``lens[t]``
-    entries only (int32 [T]), and a row of at most KC of them takes one sort (``_sort_row``; the same result:
-    such a row never has more than KC candidates), so a padded row costs what its entries cost."""
+    entries only (int32 [T]), and a short row takes the path of its own length (``_short_row``: at most KC
+    entries one sort, the same result; at most TA the in-register select at that width)."""
     t = tl.program_id(0).to(tl.int64)
     row = logits + t * n
+    grow = gkeys + t * ng_stride
     if HAS_LENS:
         n = _row_len(lens, t, n, HAS_LENS)
-        if n <= KC:
-            _sort_row(row, n, out + t * k, k, KC)
+        if n <= max(KC, TA):
+            _short_row(row, n, out + t * k, grow, (cand + t * (2 * KC)).to(tl.pointer_type(tl.int64)), k, KC, NT, TA,
+                       TA_BG, 0, 1)
         else:
-            _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG,
-                                 WAYS, KC, NT, THREAD_SCAN, True)
+            _select_in_registers(row, n, out + t * k, grow, cand + t * (2 * KC), k, NP, G, BG, WAYS, KC, NT,
+                                 THREAD_SCAN, True)
     else:
-        _select_in_registers(row, n, out + t * k, gkeys + t * (NP // BG), cand + t * (2 * KC), k, NP, G, BG, WAYS,
-                             KC, NT, THREAD_SCAN, False)
+        _select_in_registers(row, n, out + t * k, grow, cand + t * (2 * KC), k, NP, G, BG, WAYS, KC, NT,
+                             THREAD_SCAN, False)
 
 
 @triton.jit
@@ -269,18 +283,15 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     (``_narrow_reg``); the indices of the entries >= tau go to ``crow`` [2 * KC] int32 (second half) at
     slots from one scan of per-thread counts (THREAD_SCAN, NT threads) or of the counts of groups of G
     entries, both in index order; their keys are re-read from the row for the sort (``_emit_sorted``).
-    BISECT_ROW (``row_lens``): a row with fewer than 2k maxima of BG entries (BG sized for NP entries) and
-    more than KC candidates is narrowed on the maxima of G entries (``grow`` then holds [NP // G]) where
-    they number 2k or more, and then, still over KC, on its entries (``_bisect_row``).
+    BISECT_ROW: see ``_bisect_row``.
     """
     NG: tl.constexpr = NP // G
     lowest = -2147483648
     e = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G] entry index
     key = _ordered_key(tl.load(row + e, mask=e < n, other=float("-inf")))
-    fmax = tl.max(key, 1)  # [NG] maxima of groups of G
-    gmax = fmax
+    gmax = tl.max(key, 1)
     if BG > G:  # bisection on the maxima of BG entries (fewer values a bisection step)
-        gmax = tl.max(tl.reshape(fmax, (NP // BG, BG // G)), 1)
+        gmax = tl.max(tl.reshape(gmax, (NP // BG, BG // G)), 1)
     groups = tl.sum((gmax > lowest).to(tl.int32), 0)
     hi = tl.max(gmax, 0).to(tl.int64) + 1  # max key + 1, kept for the fallback
     tau = lowest + 1  # fewer than k valid groups: every valid entry is a candidate
@@ -295,26 +306,11 @@ def _select_in_registers(row, n, out_row, grow, crow, k, NP: tl.constexpr, G: tl
     cnt = tl.sum(take.to(tl.int32), 1)  # [NG] candidates a group
     total = tl.sum(cnt, 0)
     if BISECT_ROW:  # noqa: SIM102 - a compile-time guard
-        if (total > KC) & (groups < 2 * k):  # a row shorter than the width its BG was chosen for
-            if BG > G:  # a compile-time guard
-                fine = tl.sum((fmax > lowest).to(tl.int32), 0)
-                if fine >= 2 * k:  # the maxima of groups of G instead (grow holds NP // G of them)
-                    tl.debug_barrier()  # every thread has read the maxima of BG entries
-                    fi = tl.arange(0, NG)
-                    tl.store(grow + fi, fmax)
-                    tl.debug_barrier()
-                    fk = tl.load(grow + fi)
-                    lo = tl.min(tl.where(fk > lowest, fk, 2147483647), 0).to(tl.int64)
-                    tau = _narrow_reg(fk, k, lo, hi, fine, fine * 0, k // 4, WAYS)[0].to(tl.int32)
-                    take = key >= tau
-                    cnt = tl.sum(take.to(tl.int32), 1)
-                    total = tl.sum(cnt, 0)
-            if total > KC:  # bisection on the entries, from the least candidate: count(key >= it) = total
-                least = tl.min(tl.min(tl.where(take, key, 2147483647), 1), 0)
-                tau = _bisect_row(row, n, k, least, total, hi, KC, WAYS)
-                take = key >= tau
-                cnt = tl.sum(take.to(tl.int32), 1)
-                total = tl.sum(cnt, 0)
+        if (total > KC) & (groups < 2 * k):  # from the least candidate key: count(key >= it) = total
+            tau = _bisect_row(row, n, k, tl.min(tl.min(tl.where(take, key, 2147483647), 1), 0), total, hi, KC, WAYS)
+            take = key >= tau
+            cnt = tl.sum(take.to(tl.int32), 1)
+            total = tl.sum(cnt, 0)
     if THREAD_SCAN:  # [NG // NT, NT, G]: the groups of one thread (NT threads) scanned in-thread
         tk3 = tl.reshape(take.to(tl.int32), (NG // NT, NT, G))
         c2 = tl.sum(tk3, 2)  # [NG // NT, NT]
@@ -410,29 +406,28 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     cand = torch.empty((num_tokens, kc), dtype=torch.int64, device=logits.device)
     np_ = max(next_pow2(n), g)
     reg = REG_MAX if reg_max is None else reg_max
+    # with row_lens, short rows in registers at a quarter of the width (in registers) or at `reg` and a quarter
+    # of it (chunked): the widest powers of two, each grouped as a row that wide
+    top = np_ // 4 if np_ <= reg else 1 << (reg.bit_length() - 1) if reg else 0
+    tiers = [w for w in ((top // 4, top) if np_ > reg else (top,)) if w > kc] if row_lens is not None else []
+    tier = {}
+    for name, width in zip(("TA", "TB"), tiers):
+        tier.update({name: width, f"{name}_BG": group or _group(width, topk)})
+    stride = max([width // tier[f"{name}_BG"] for name, width in zip(("TA", "TB"), tiers)], default=0)
     if np_ <= reg:
         pg = min(_PLACE_GROUP, g)
-        # with row_lens, room for the maxima of groups of pg (a short row's threshold, _select_in_registers)
-        gkeys = torch.empty((num_tokens, np_ // (g if row_lens is None else pg)), dtype=torch.int32,
-                            device=logits.device)
-        _topk_reg_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, cand=cand.view(torch.int32), k=topk, NP=np_,
-                                        G=pg, BG=g, WAYS=ways or 8, KC=kc, NT=nt, THREAD_SCAN=(np_ // pg) % nt == 0,
-                                        **lens, **extra)
+        ng = max(np_ // g, stride)
+        gkeys = torch.empty((num_tokens, ng), dtype=torch.int32, device=logits.device)
+        _topk_reg_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, ng_stride=ng, cand=cand.view(torch.int32),
+                                        k=topk, NP=np_, G=pg, BG=g, WAYS=ways or 8, KC=kc, NT=nt,
+                                        THREAD_SCAN=(np_ // pg) % nt == 0, **tier, **lens, **extra)
         return out
     ch = max(chunk or (64 if INTERPRET else 2048), g)
-    ng = -(-n // g)
-    # with row_lens, rows of at most `reg` entries (the widest power of two) in registers, grouped as a row that wide
-    rp = 1 << (reg.bit_length() - 1) if row_lens is not None and reg > kc else 0
-    tier = {}
-    if rp:
-        rbg = group or _group(rp, topk)
-        rg = min(_PLACE_GROUP, rbg)
-        tier = {"RP": rp, "RG": rg, "RBG": rbg, "RNT": nt, "RSCAN": (rp // rg) % nt == 0}
-        ng = max(ng, rp // rg)
+    ng = max(-(-n // g), stride)
     gkeys = torch.empty((num_tokens, ng), dtype=torch.int32, device=logits.device)
     counter = torch.empty((num_tokens,), dtype=torch.int32, device=logits.device)
     _topk_kernel[(num_tokens,)](logits, n, out=out, gkeys=gkeys, ng_stride=ng, cand=cand, counter=counter, k=topk,
-                                G=g, CH=ch, WAYS=ways or 16, KC=kc, **tier, **lens, **extra)
+                                G=g, CH=ch, WAYS=ways or 16, KC=kc, NT=nt, **tier, **lens, **extra)
     return out
 
 
