@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from dsv4.cache_args import MAX_SLOTS, StepRequest, check_requests, hashable, int_arg, resolve_device
-from dsv4.cache_metadata import build_step_metadata
+from dsv4.cache_metadata import build_step_metadata, check_pad_to
 from dsv4.metadata import StepMetadata, mark_planned
 from dsv4.paging import SPEC_GROUPS, BlockPool, pages_per_group
 from dsv4.specs.config import ModelConfig
@@ -362,9 +362,10 @@ class PagedKVCache:
         host-to-device bytes and, in some kernels, loop trips over -1 entries (docs/ARCHITECTURE.md §5).
 
         All or nothing: raises before changing anything when a request is malformed, a request's
-        previous step was not written by every layer (see the class docstring), or a group runs out
+        previous step was not written by every layer (see the class docstring), a group runs out
         of pages (:class:`OutOfBlocksError`; pages that slide out of the window of any request of the
-        step count as free). On success, pages that slid out are freed for every request first, then
+        step count as free), or a table would be wider than ``pad_to`` allows (pages a rollback kept:
+        the refusal names the least length that fits). On success, pages that slid out are freed for every request first, then
         new pages are allocated, and the step's earlier plans for these requests become stale.
         """
         check_requests(requests)
@@ -396,6 +397,9 @@ class PagedKVCache:
                     f"cache group {name!r}",
                     f"a step needing at most {len(group.free_pages) + freed} new pages (free, or sliding out)",
                     f"a step needing {needed}", hint="plan fewer tokens (a smaller chunk) or free requests")
+        if pad_to is not None:  # every table fits pad_to once the step's pages are appended
+            check_pad_to(self.groups, {name: {r: group.logical_pages(r) + needed for r, (_, _, needed)
+                                              in zip(ids, plans[name])} for name, group in self.groups.items()}, pad_to)
         # Commit: free what slid out for every request, then allocate. Building the metadata allocates
         # (device tables); if that raises (out of memory), every change is undone in reverse order.
         released = {name: [group.release_front(r, stop) for r, (stop, _, _) in zip(ids, plans[name])]

@@ -17,7 +17,7 @@ from dsv4.paging import BlockPool
 from dsv4.specs.errors import DSV4ValueError
 from dsv4.specs.layer_kinds import LayerKind
 
-__all__ = ["build_step_metadata"]
+__all__ = ["build_step_metadata", "check_pad_to"]
 
 
 def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk: int, ids: Sequence[Hashable],
@@ -27,8 +27,8 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     ``starts[i]``, on ``device``, from ``groups`` (``PagedKVCache.groups``: ``swa``, ``c{r}``, ``state{r}``)
     whose tables already hold the step's pages. ``window``: the SWA width; ``index_topk``: the CSA indexer's k.
     ``pad_to``: every table as wide as sequences of ``pad_to`` tokens need (block tables, HCA index rows), so
-    that steps of the same rows have the same shapes (a CUDA graph's inputs); a table already wider (pages a
-    rollback kept) raises :class:`DSV4ValueError` naming ``pad_to``.
+    that steps of the same rows have the same shapes (a CUDA graph's inputs); the caller has checked that
+    every table fits (``check_pad_to``, before the step's pages were committed).
 
     Per-token vectors are derived on the host (O(T)), then every table is built on ``device`` from them and
     the block tables (no host table of context width is made or copied)."""
@@ -44,8 +44,6 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     positions = (first[token_request] + offsets).to(dev)
     token_request = token_request.to(dev)
 
-    if pad_to is not None:
-        _check_pad_to(groups, ids, pad_to)
     swa_group = groups["swa"]
     swa_bt = _table(swa_group, ids, dev, pad_to)
     W = window
@@ -101,21 +99,21 @@ def build_step_metadata(groups: Mapping[str, BlockPool], window: int, index_topk
     )
 
 
-def _check_pad_to(groups: dict[str, BlockPool], ids: Sequence[Hashable], pad_to: int) -> None:
-    """Refuses (naming ``pad_to``) a padding that some group's table is already wider than (pages a rollback
-    kept), naming the least length that every group's table fits: one group's least is not enough where a
-    group of smaller pages holds more (swa 513 < c4 516 < state4 517)."""
+def check_pad_to(groups: Mapping[str, BlockPool], held: Mapping[str, Mapping[Hashable, int]], pad_to: int) -> None:
+    """Refuses (naming ``pad_to``) a padding that some group's table would be wider than (pages a rollback
+    kept): ``held[name][request]``, the logical pages each request of the step will hold in group ``name``.
+    Names the least length that every group's table fits: one group's least is not enough where a group of
+    smaller pages holds more (swa 513 < c4 516 < state4 517)."""
     worst = None
-    for group in groups.values():
-        held, request = max(((group.logical_pages(r), r) for r in ids), key=lambda pair: pair[0])
-        if held > _width(group, pad_to):
-            # the least length needing ``held`` pages
-            least = ((held - 1) * group.block_size + 1) * group.tokens_an_entry
+    for name, group in groups.items():
+        most, request = max(((pages, r) for r, pages in held[name].items()), key=lambda pair: pair[0])
+        if most > _width(group, pad_to):
+            least = ((most - 1) * group.block_size + 1) * group.tokens_an_entry  # the least length needing them
             if worst is None or least > worst[0]:
-                worst = (least, request, held, group)
+                worst = (least, request, most, group)
     if worst is not None:
-        least, request, held, group = worst
-        raise DSV4ValueError.of("pad_to", f"a length >= {least} (request {request!r} holds {held} {group.name!r} "
+        least, request, most, group = worst
+        raise DSV4ValueError.of("pad_to", f"a length >= {least} (request {request!r} holds {most} {group.name!r} "
                                 f"pages of {group.block_size} entries)", pad_to,
                                 hint="a rollback leaves its pages with the request: pad to the longest length plus "
                                      "the drafts")
@@ -128,7 +126,7 @@ def _width(group: BlockPool, pad_to: int) -> int:
 
 def _table(group: BlockPool, ids: Sequence[Hashable], device: torch.device, pad_to: int | None) -> torch.Tensor:
     """``group``'s block table of the step: as wide as its longest row, or (``pad_to``, checked by
-    ``_check_pad_to``) as wide as sequences of ``pad_to`` tokens need."""
+    ``check_pad_to``) as wide as sequences of ``pad_to`` tokens need."""
     if pad_to is None:
         return group.table_tensor(ids, device)
     return group.table_tensor(ids, device, min_width=_width(group, pad_to))

@@ -75,14 +75,16 @@ def test_pad_to_arguments_raise_named_errors_and_change_nothing(pad_to, error, m
     cache.plan_step([StepRequest("a", 5)], pad_to=64)
 
 
-def test_pages_a_rollback_kept_past_pad_to_are_named_and_the_plan_undone():
+def test_pages_a_rollback_kept_past_pad_to_are_named_before_anything_is_committed(monkeypatch):
     """A request rolled back from 66 to 62 still holds two SWA pages of 64; padding its next step to 63
-    tokens (one page) cannot hold its table: refused naming pad_to, and the plan is undone."""
+    tokens (one page) cannot hold its table: refused naming pad_to, before any page or record changes
+    (the commit's undo is never needed)."""
     cache = PlannedOnly(CFG, [0], num_blocks=64)
     cache.plan_step([StepRequest("a", 60)])
     cache.plan_step([StepRequest("a", 6)])
     cache.rollback("a", 4)
     tables, free = cache.groups["swa"].tables, cache.free_pages()
+    monkeypatch.setattr(PlannedOnly, "_undo_plan", lambda *a: pytest.fail("a refused pad_to reached the commit"))
     with pytest.raises(DSV4ValueError, match=r"pad_to: expected a length >= 65 \(request 'a' holds 2 'swa' pages of 64 "
                                              r"entries\), got 63; a rollback leaves its pages"):
         cache.plan_step([StepRequest("a", 1)], pad_to=63)
