@@ -230,8 +230,8 @@ def _indexer_logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, positions, token_
     ``_mx_tiles_scaled``); else the bf16 path. W: warps.
 
     BOUNDED: a row holds its first ``row_len = min(visible, max_entries)`` entries only, stored to
-    ``row_lens`` [T] int32, nothing written past them (a padded block table's extra entries are neither
-    read nor written), and the ranges are the token's own: its tiles over at most the grid's splits, at least ``min_tiles`` tiles a
+    ``row_lens`` [T] int32, no logit written past them and no page of a padded block table's extra
+    entries read, and the ranges are the token's own: its tiles over at most the grid's splits, at least ``min_tiles`` tiles a
     range (the host's rule for a whole row, applied to this row); programs past the row exit. Else
     ``chunk`` entries a program over the whole row, -inf past the visible entries."""
     t = tl.program_id(0).to(tl.int64)

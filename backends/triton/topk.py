@@ -31,8 +31,9 @@ def _ordered_key(x):
 @triton.jit
 def _narrow(keys, n, k, lo, hi, c_lo, c_hi, spread, FLOAT: tl.constexpr, CH: tl.constexpr, WAYS: tl.constexpr):
     """WAYS-way bisection on the order keys of ``keys[0:n]`` (fp32 logits when FLOAT, else int32 keys):
-    keeps count(key >= lo) = c_lo >= k > count(key >= hi) = c_hi, stops when c_lo - c_hi <= spread or
-    hi == lo + 1 (lo is then the k-th key). One pass over the keys a step."""
+    keeps count(key >= lo) = c_lo >= k > count(key >= hi) = c_hi (c_lo on entry may be an upper bound
+    above spread: exact after the first step), stops when c_lo - c_hi <= spread or hi == lo + 1 (lo is
+    then the k-th key). One pass over the keys a step."""
     ways = tl.arange(0, WAYS)
     offs = tl.arange(0, CH)
     while (c_lo - c_hi > spread) & (hi - lo > 1):
@@ -263,7 +264,8 @@ def _collect(row, n, crow, count, tau, CH: tl.constexpr, KC: tl.constexpr):
 
 @triton.jit
 def _bisect_row(row, n, k, lo, c_lo, hi, KC: tl.constexpr, WAYS: tl.constexpr):
-    """A threshold with k..KC-1 entries of ``row[:n]`` at or above it, by bisection on the entries from ``lo``
+    """A threshold with k..KC-1 entries of ``row[:n]`` at or above it (more where ties at the k-th key outnumber
+    KC - k + 1), by bisection on the entries from ``lo``
     (int32, count(key >= lo) = ``c_lo`` >= k, or an upper bound of it above KC) to ``hi`` (max key + 1,
     int64): with ``row_lens``, for a row far shorter than the width, whose groups (sized for the width)
     number fewer than 2k and leave a weak threshold: one sorted candidate set instead of the many-ties
@@ -374,11 +376,13 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
 
     ``row_lens`` int32 [T]: row t holds entries ``[0, row_lens[t])`` (clamped to [0, n]); the rest count as
     invalid and are never read (whatever they hold). Each row then takes its own path: at most
-    ``candidates`` entries one sort; in a table wider than ``reg_max``, at most ``reg_max`` (its widest
-    power of two) the in-register select at that width; a row with fewer than 2 * topk group maxima (the
-    groups sized for the width) a threshold from finer groups or from its entries, not the fallback. The
-    set the row unpadded gives (and its order, short of many ties); what a padded row still costs:
-    ``tools/topk_padded.py``.
+    ``candidates`` entries one sort; at most a tier's width (wider than ``candidates``) the in-register
+    select at that width, grouped as an unpadded row that wide (8 ways, whatever ``group`` / ``ways``
+    say): a quarter of the width in the in-register kernel; ``reg_max`` (its widest power of two) and a
+    quarter of it in the chunked one. A row with fewer than 2 * topk group maxima whose threshold admits
+    more than ``candidates`` entries is bisected on its entries (the fallback only where ties at the k-th
+    value outnumber ``candidates``). The set the row unpadded gives (and its order, short of many ties);
+    what a padded row still costs: ``tools/topk_padded.py``.
 
     Knobs: ``ways`` (bisection fan-out; default 8 in registers, 16 chunked), ``candidates`` (the largest
     candidate set sorted), ``group`` (entries a group maximum; the default leaves >= 2 * topk group
@@ -412,7 +416,7 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     tiers = [w for w in ((top // 4, top) if np_ > reg else (top,)) if w > kc] if row_lens is not None else []
     tier = {}
     for name, width in zip(("TA", "TB"), tiers):
-        tier.update({name: width, f"{name}_BG": group or _group(width, topk)})
+        tier.update({name: width, f"{name}_BG": _group(width, topk)})  # as a row that wide (not the knob)
     stride = max([width // tier[f"{name}_BG"] for name, width in zip(("TA", "TB"), tiers)], default=0)
     if np_ <= reg:
         pg = min(_PLACE_GROUP, g)

@@ -187,3 +187,16 @@ def test_topk_row_lens_read_only_the_row(variant: str) -> None:
     # a strided view of the lengths (a column of packed metadata) reads as the contiguous tensor
     strided = torch.stack([lens, torch.full_like(lens, 7)], 1)[:, 0]
     assert strided.stride(0) == 2 and torch.equal(topk_indices(clean, k, row_lens=strided, **kwargs), got)
+
+
+def test_topk_row_lens_tiers_group_as_their_own_width() -> None:
+    """A ``group`` knob sized for the width (64 entries a maximum) does not reach the in-register tier of a
+    quarter of it (32 entries: it would hold no whole group): rows in every path select what one sort does."""
+    from dsv4.backends.triton.topk import topk_indices
+
+    k, n = 2, 100
+    logits = torch.randn(6, n, generator=torch.Generator().manual_seed(5))
+    lens = torch.tensor([0, 10, 17, 30, 64, n], dtype=torch.int32)  # sort, sort, tier (32), tier, width, width
+    clean = torch.where(torch.arange(n)[None, :] < lens[:, None], logits, float("-inf"))
+    got = topk_indices(logits, k, candidates=16, group=64, row_lens=lens)
+    assert torch.equal(got, topk_indices(clean, k, sort_max=n))
