@@ -412,12 +412,13 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     reg = REG_MAX if reg_max is None else reg_max
     # with row_lens, short rows in registers at a quarter of the width (in registers) or at `reg` and a quarter
     # of it (chunked): the widest powers of two, each grouped as a row that wide
-    top = np_ // 4 if np_ <= reg else 1 << (reg.bit_length() - 1) if reg else 0
-    tiers = [w for w in ((top // 4, top) if np_ > reg else (top,)) if w > kc] if row_lens is not None else []
-    tier = {}
-    for name, width in zip(("TA", "TB"), tiers):
-        tier.update({name: width, f"{name}_BG": _group(width, topk)})  # as a row that wide (not the knob)
-    stride = max([width // tier[f"{name}_BG"] for name, width in zip(("TA", "TB"), tiers)], default=0)
+    widest = 1 << (reg.bit_length() - 1) if reg else 0
+    widths = () if row_lens is None else (np_ // 4,) if np_ <= reg else (widest // 4, widest)
+    tier, stride = {}, 0
+    for name, width in zip(("TA", "TB"), [w for w in widths if w > kc]):
+        bg = _group(width, topk)  # as a row that wide (not the knob)
+        tier.update({name: width, f"{name}_BG": bg})
+        stride = max(stride, width // bg)  # gkeys a row: room for the tier's maxima too
     if np_ <= reg:
         pg = min(_PLACE_GROUP, g)
         ng = max(np_ // g, stride)
