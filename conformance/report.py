@@ -174,9 +174,7 @@ def junit_xml(report: dict[str, Any]) -> str:
                          skipped=len(failed), time="0")
         for plugin in failed:
             case = _element(suite, "testcase", classname="dsv4.plugins", name=plugin["name"], time="0")
-            status = PluginStatus(plugin["name"], plugin.get("value", ""), plugin.get("distribution"),
-                                  plugin.get("version"), "failed", plugin["error"])
-            _element(case, "skipped", message=status.problem()[:1000])
+            _element(case, "skipped", message=PluginStatus.from_dict(plugin).problem()[:1000])
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 

@@ -2,6 +2,7 @@
 ``dsv4.registry`` keeps of it, and the one line that says why a plugin registered nothing."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,14 @@ class PluginStatus:
                 "version": self.version, "state": self.state, "error": self.error,
                 "backends": list(self.backends), "builtin": self.builtin,
                 "load_seconds": None if self.seconds is None else round(self.seconds, 4)}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> PluginStatus:
+        """The status ``as_dict`` wrote (a report's ``plugins`` entry): ``load_seconds`` back to ``seconds``, a
+        key it lacks at its default (the traceback is never written)."""
+        return cls(record["name"], record.get("value", ""), record.get("distribution"), record.get("version"),
+                   record.get("state", "loaded"), record.get("error"), None, list(record.get("backends", ())),
+                   bool(record.get("builtin", False)), record.get("load_seconds"))
 
     def _distribution(self) -> str:
         """``"acme-dsv4 0.1.0"``, what of it is known, or ""."""

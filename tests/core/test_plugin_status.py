@@ -21,6 +21,16 @@ def test_the_line_names_the_plugin_its_entry_point_its_distribution_and_why():
     assert PluginStatus("bare", state="failed").problem() == "plugin bare failed to load: failed"
 
 
+def test_from_dict_reads_back_what_as_dict_wrote():
+    """A report's ``plugins`` entry (``as_dict``) turns back into the status (JUnit prints its ``problem()``)."""
+    status = PluginStatus("acme", "acme_dsv4:hooks", "acme-dsv4", "0.1.0", "failed", "ImportError: no libacme",
+                          backends=["acme"], builtin=True, seconds=0.125)
+    record = status.as_dict()
+    assert PluginStatus.from_dict(record) == status
+    assert PluginStatus.from_dict(record).problem() == status.problem()
+    assert PluginStatus.from_dict({"name": "bare"}) == PluginStatus("bare")
+
+
 def test_a_strict_load_and_the_no_backend_error_give_the_same_line(monkeypatch):
     monkeypatch.delenv("DSV4_BACKEND", raising=False)
     plugin = types.ModuleType("vendorx_plugin")
