@@ -26,8 +26,10 @@ from dsv4.backends.triton.topk import REG_MAX
 
 ROWS = 128
 # (k, table width W, row lengths L): W = 32768 takes the in-register kernel (128K context at ratio 4),
-# W = 131072 the chunked one (512K context)
-CASES = [(512, 32768, (1024, 2048, 8192)), (512, 131072, (1024, 2048, 8192, 32768)), (1024, 131072, (2048, 8192))]
+# W = 131072 the chunked one (512K context); k = 2048 at L = 40000: a row past the tiers whose groups (16
+# entries, sized for the width) number between k and 2k
+CASES = [(512, 32768, (1024, 2048, 8192)), (512, 131072, (1024, 2048, 8192, 32768)), (1024, 131072, (2048, 8192)),
+         (2048, 131072, (40000,))]
 
 
 def load_topk(path: str | None):

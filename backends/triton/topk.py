@@ -128,7 +128,8 @@ def _narrow_reg(gk, k, lo, hi, c_lo, c_hi, spread, WAYS: tl.constexpr):
 @triton.jit
 def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl.constexpr, CH: tl.constexpr,
                  WAYS: tl.constexpr, KC: tl.constexpr, HAS_LENS: tl.constexpr, NT: tl.constexpr = 128,
-                 TA: tl.constexpr = 0, TA_BG: tl.constexpr = 1, TB: tl.constexpr = 0, TB_BG: tl.constexpr = 1):
+                 TA: tl.constexpr = 0, TA_BG: tl.constexpr = 1, TA_PG: tl.constexpr = 1, TB: tl.constexpr = 0,
+                 TB_BG: tl.constexpr = 1, TB_PG: tl.constexpr = 1):
     """One program per row of logits [T, n] fp32: out[t, :k] int32 = indices of the k largest finite logits,
     then -1 (SPEC §6.3: which of tied entries is unspecified; valid entries sorted by score), by
     ``_select_chunked``. HAS_LENS: only the row's first ``lens[t]`` entries (int32 [T]) are read, every loop
@@ -139,7 +140,8 @@ def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl
     if HAS_LENS:
         n = _row_len(lens, t, n, HAS_LENS)
         if n <= max(KC, TA, TB):
-            _short_row(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, k, KC, NT, TA, TA_BG, TB, TB_BG)
+            _short_row(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, k, KC, NT, TA, TA_BG, TA_PG, TB,
+                       TB_BG, TB_PG)
         else:
             _select_chunked(row, n, out + t * k, gkeys + t * ng_stride, cand + t * KC, counter + t, k, G, CH, WAYS,
                             KC, True)
@@ -150,21 +152,27 @@ def _topk_kernel(logits, n, lens, out, gkeys, ng_stride, cand, counter, k, G: tl
 
 @triton.jit
 def _short_row(row, n, out_row, grow, crow, k, KC: tl.constexpr, NT: tl.constexpr, TA: tl.constexpr,
-               TA_BG: tl.constexpr, TB: tl.constexpr, TB_BG: tl.constexpr):
+               TA_BG: tl.constexpr, TA_PG: tl.constexpr, TB: tl.constexpr, TB_BG: tl.constexpr,
+               TB_PG: tl.constexpr):
     """``row[:n]`` fp32, n <= max(KC, TA, TB) -> ``out_row`` [k] int32, by the row's own length: at most KC
-    entries one sort (``_sort_row``); else at most TA (0: none) ``_select_in_registers`` at NP = TA with
-    groups of TA_BG, else at most TB likewise (NP = TB, TB_BG), each as an unpadded row that wide (NT
-    threads, 8 ways). ``grow``: int32, room for TA // TA_BG and TB // TB_BG; ``crow``: int64 [KC]."""
+    entries one sort (``_sort_row``); else at most TA (0: none) the tier of width TA (``_tier``: groups of
+    TA_BG, candidates placed in groups of TA_PG), else at most TB likewise. ``grow``: int32, room for
+    TA // TA_BG and TB // TB_BG; ``crow``: int64 [KC]."""
     if n <= KC:
         _sort_row(row, n, out_row, k, KC)
-    if TA > KC:  # noqa: SIM102 - a compile-time guard
-        if (n > KC) & (n <= TA):
-            _select_in_registers(row, n, out_row, grow, crow.to(tl.pointer_type(tl.int32)), k, TA, min(4, TA_BG),
-                                 TA_BG, 8, KC, NT, (TA // min(4, TA_BG)) % NT == 0, True)
-    if TB > max(KC, TA):  # noqa: SIM102 - a compile-time guard
-        if (n > max(KC, TA)) & (n <= TB):
-            _select_in_registers(row, n, out_row, grow, crow.to(tl.pointer_type(tl.int32)), k, TB, min(4, TB_BG),
-                                 TB_BG, 8, KC, NT, (TB // min(4, TB_BG)) % NT == 0, True)
+    _tier(row, n, out_row, grow, crow, k, KC, TA, TA_BG, TA_PG, KC, NT)
+    _tier(row, n, out_row, grow, crow, k, max(KC, TA), TB, TB_BG, TB_PG, KC, NT)
+
+
+@triton.jit
+def _tier(row, n, out_row, grow, crow, k, BELOW: tl.constexpr, W: tl.constexpr, BG: tl.constexpr,
+          PG: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr):
+    """A row of BELOW < n <= W entries: ``_select_in_registers`` at NP = W as an unpadded row that wide (groups
+    of BG, candidates placed in groups of PG, NT threads, 8 ways); W <= BELOW: no tier (compiles to nothing)."""
+    if W > BELOW:  # noqa: SIM102 - a compile-time guard
+        if (n > BELOW) & (n <= W):
+            _select_in_registers(row, n, out_row, grow, crow.to(tl.pointer_type(tl.int32)), k, W, PG, BG, 8, KC, NT,
+                                 (W // PG) % NT == 0, True)
 
 
 @triton.jit
@@ -177,8 +185,9 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
     2. Entries >= tau (typically a few times k) -> ``crow`` [KC] int64 (key << 32 | index) through
        the atomic slot counter ``count`` [1] int32; sorted, the first k are the answer.
     3. More than KC candidates (many ties): bisection on the row itself, then an ordered compaction.
-    BISECT_ROW: the first pass also counts the valid entries and finds the least; fewer than 2k group
-    maxima and more than KC valid entries go to ``_bisect_row`` before the one collect pass.
+    BISECT_ROW: a row with fewer than 2k group maxima whose threshold admitted more than KC entries is
+    bisected on its entries from tau (``_bisect_row``) and collected once more (rows longer than the
+    in-register tiers rarely: their groups, sized for the width, number >= 2k there for k <= 1024).
     """
     NCH: tl.constexpr = min(CH, 512)  # bisection chunk ([NCH, WAYS] counters in registers)
     offs = tl.arange(0, CH)
@@ -187,8 +196,6 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
     gcount_acc = tl.zeros([CH // G], tl.int32)
     gmin_acc = tl.full([CH // G], 2147483647, tl.int32)
     max_acc = tl.full([CH // G], lowest, tl.int32)
-    valid_acc = tl.zeros([CH], tl.int32)
-    kmin_acc = tl.full([CH], 2147483647, tl.int32)
     x_next = tl.load(row + offs, mask=offs < n, other=float("-inf"))
     for s in range(0, n, CH):
         key = _ordered_key(x_next)
@@ -199,9 +206,6 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
         gcount_acc += (gmax > lowest).to(tl.int32)
         gmin_acc = tl.minimum(gmin_acc, tl.where(gmax > lowest, gmax, 2147483647))
         max_acc = tl.maximum(max_acc, gmax)
-        if BISECT_ROW:
-            valid_acc += (key > lowest).to(tl.int32)
-            kmin_acc = tl.minimum(kmin_acc, tl.where(key > lowest, key, 2147483647))
     groups = tl.sum(gcount_acc, 0)
     hi = tl.max(max_acc, 0).to(tl.int64) + 1
     tl.store(count, 0)
@@ -210,11 +214,14 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
     if groups >= k:
         lo = tl.min(gmin_acc, 0).to(tl.int64)
         tau = _narrow(grow, ng, k, lo, hi, groups, groups * 0, k // 4, False, NCH, WAYS)[0].to(tl.int32)
-    if BISECT_ROW:
-        valid = tl.sum(valid_acc, 0)
-        if (valid > KC) & (groups < 2 * k):  # from tau (count <= valid) or, fewer than k groups, the least key
-            tau = _bisect_row(row, n, k, tl.where(groups >= k, tau, tl.min(kmin_acc, 0)), valid, hi, KC, WAYS)
     total = _collect(row, n, crow, count, tau, CH, KC)
+    if BISECT_ROW:  # noqa: SIM102 - a compile-time guard
+        if (total > KC) & (groups < 2 * k):  # count(key >= tau) = total: bisect from tau, collect again
+            tau = _bisect_row(row, n, k, tau, total, hi, KC, WAYS)
+            tl.debug_barrier()  # the first collect's count read by every thread before the reset
+            tl.store(count, 0)
+            tl.debug_barrier()
+            total = _collect(row, n, crow, count, tau, CH, KC)
     if total <= KC:
         _emit_sorted(crow, out_row, total, k, KC)
     else:
@@ -225,7 +232,7 @@ def _select_chunked(row, n, out_row, grow, crow, count, k, G: tl.constexpr, CH: 
 def _topk_reg_kernel(logits, n, lens, out, gkeys, ng_stride, cand, k, NP: tl.constexpr, G: tl.constexpr,
                      BG: tl.constexpr, WAYS: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr,
                      THREAD_SCAN: tl.constexpr, HAS_LENS: tl.constexpr, TA: tl.constexpr = 0,
-                     TA_BG: tl.constexpr = 1):
+                     TA_BG: tl.constexpr = 1, TA_PG: tl.constexpr = 1):
     """Program t: row t of logits [T, n] fp32 by ``_select_in_registers``; HAS_LENS: its first ``lens[t]``
     entries only (int32 [T]), and a short row takes the path of its own length (``_short_row``: at most KC
     entries one sort, the same result; at most TA the in-register select at that width)."""
@@ -236,7 +243,7 @@ def _topk_reg_kernel(logits, n, lens, out, gkeys, ng_stride, cand, k, NP: tl.con
         n = _row_len(lens, t, n, HAS_LENS)
         if n <= max(KC, TA):
             _short_row(row, n, out + t * k, grow, (cand + t * (2 * KC)).to(tl.pointer_type(tl.int64)), k, KC, NT, TA,
-                       TA_BG, 0, 1)
+                       TA_BG, TA_PG, 0, 1, 1)
         else:
             _select_in_registers(row, n, out + t * k, grow, cand + t * (2 * KC), k, NP, G, BG, WAYS, KC, NT,
                                  THREAD_SCAN, True)
@@ -417,7 +424,7 @@ def topk_indices(logits: torch.Tensor, topk: int, *, chunk: int | None = None, w
     tier, stride = {}, 0
     for name, width in zip(("TA", "TB"), [w for w in widths if w > kc]):
         bg = _group(width, topk)  # as a row that wide (not the knob)
-        tier.update({name: width, f"{name}_BG": bg})
+        tier.update({name: width, f"{name}_BG": bg, f"{name}_PG": min(_PLACE_GROUP, bg)})
         stride = max(stride, width // bg)  # gkeys a row: room for the tier's maxima too
     if np_ <= reg:
         pg = min(_PLACE_GROUP, g)
