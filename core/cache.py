@@ -195,6 +195,7 @@ class PagedKVCache:
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
         self._freed: dict[int, tuple[Hashable, int]] = {}  # step serial -> (first request freed, serial then)
+        self._freed_ids: dict[int, set[Hashable]] = {}  # step serial -> requests freed while it was their latest
         self._planned = 0  # serial of the latest plan_step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -212,7 +213,9 @@ class PagedKVCache:
         del self.seq_lens[request_id]
         del self._step_starts[request_id]
         self._serial += 1
-        self._freed.setdefault(self._epochs.pop(request_id), (request_id, self._serial))  # runs until a plan
+        latest = self._epochs.pop(request_id)
+        self._freed.setdefault(latest, (request_id, self._serial))  # runs until a plan
+        self._freed_ids.setdefault(latest, set()).add(request_id)  # not freed from an older step of it
 
     def rollback(self, request_id: Hashable, num_tokens: int) -> int:
         """Discard the last ``num_tokens`` tokens of ``request_id``: the draft tokens a speculative step
@@ -271,7 +274,9 @@ class PagedKVCache:
         """Raise :class:`StaleStepError` unless ``step`` is still the latest plan of each of its requests,
         or of each request not freed since, with no plan since the first free (the freed pages are then
         still free, and the step can run for its other requests: an engine that aborts a request of an
-        unfinished step re-runs the step for the rest).
+        unfinished step re-runs the step for the rest). A request re-planned by a later step and then freed
+        leaves the step stale: its rows of the step may have slid out of its window since, and their pages
+        been handed out.
 
         O(1) when nothing was planned or freed since ``step``; while ``step`` is the latest plan (only frees
         since) up to its first request not freed; O(requests), one walk, otherwise. Never consumes the step:
@@ -281,6 +286,7 @@ class PagedKVCache:
         # no plan since step: none of its requests was re-planned, and any free came after the latest plan
         only_frees = step.serial == self._planned
         freed = None  # its first request freed since
+        replanned = None  # its first request re-planned by a later step, then freed
         live = False  # a request of it not freed nor re-planned
         for request_id in step.metadata.request_ids:
             epoch = self._epochs.get(request_id)
@@ -290,10 +296,15 @@ class PagedKVCache:
                 live = True
             elif epoch is not None:
                 raise _stale(step, request_id, f"re-planned by step #{epoch}")
-            elif freed is None:
-                freed = request_id
+            else:
+                if replanned is None and not only_frees and request_id not in self._freed_ids.get(step.serial, ()):
+                    replanned = request_id  # re-planned, then freed from that later step
+                if freed is None:
+                    freed = request_id
         if freed is None:
             return
+        if live and replanned is not None:  # its rows of this step may have slid out, and the pages been handed out
+            raise _stale(step, replanned, "re-planned by a later step, then freed")
         runnable = self._runnable_after_frees(step.serial)
         if live and runnable:
             return  # only frees since, none before the latest plan, and requests left to run
@@ -422,6 +433,7 @@ class PagedKVCache:
             live = set(self._epochs.values())  # requests were all re-planned since): nothing can run them
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
             self._freed = {serial: record for serial, record in self._freed.items() if serial in live}
+            self._freed_ids = {serial: ids for serial, ids in self._freed_ids.items() if serial in live}
         mark_planned(metadata, self._serial)  # read-only from here (dsv4.metadata.copy_metadata_ refills)
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         self._planned = self._serial

@@ -306,6 +306,29 @@ def test_a_request_freed_after_the_latest_plan_leaves_its_step_runnable():
         cache.check_step(alone)
 
 
+def test_a_request_re_planned_then_freed_leaves_its_older_steps_stale():
+    """A free files the request under its latest step only: an older step of it, whose other requests are left,
+    stays stale (its rows there may have slid out of the window and its pages been handed out since): the layer
+    refuses it before writing another request's page."""
+    from _layer_helpers import tiny_layer, tiny_x
+
+    attn = tiny_layer(0)  # SWA only: a request's first page slides out of its window after 128 more tokens
+    cache = PagedKVCache(CFG, [0], num_blocks=8)
+    s1 = cache.plan_step([StepRequest("a", 200), StepRequest("b", 1)])
+    attn(tiny_x(201, seed=1), s1)
+    s2 = cache.plan_step([StepRequest("a", 1), StepRequest("c", 60)])  # a's page 0 slides out, c takes it
+    attn(tiny_x(61, seed=2), s2)
+    assert cache.groups["swa"].tables["c"][0] not in cache.groups["swa"].tables["a"]
+    page = cache.groups["swa"].tables["c"][0]
+    cache.free("a")
+    before = cache.layer(0).swa[page].clone()
+    for call in (cache.check_step, lambda step: attn(tiny_x(201, seed=1), step)):
+        with pytest.raises(StaleStepError, match=r"request 'a' was re-planned by a later step, then freed"):
+            call(s1)
+    assert torch.equal(cache.layer(0).swa[page], before)
+    cache.check_step(s2)  # freed from s2 itself, after the latest plan: s2 still runs for c
+
+
 class _CountingEpochs(dict):
     """A cache's request -> latest-plan map that counts ``get`` calls (check_step's walk)."""
 
@@ -355,6 +378,9 @@ def _stale_by_rule(cache: PagedKVCache, step) -> str | None:
     replanned = next(((r, e) for r, e in stale if e is not None), None)
     if replanned is not None:
         return f"{replanned[0]!r} was re-planned by step #{replanned[1]}"
+    later = [r for r, _ in stale if step.serial not in cache._freed_from_steps[r]]  # freed from later steps only
+    if later and len(stale) < len(epochs) and step.serial != cache._planned:
+        return f"{later[0]!r} was re-planned by a later step, then freed"
     if len(stale) < len(epochs) and runnable:
         return None
     return f"{stale[0][0]!r} was freed" + ("" if runnable else f", and step #{cache._planned} planned since")
@@ -364,11 +390,14 @@ def _stale_by_rule(cache: PagedKVCache, step) -> str | None:
 def test_check_step_follows_the_rule_under_random_plans_and_frees(seed):
     rng = random.Random(seed)
     cache = PlannedOnly(CFG, [0], num_blocks=512)
+    cache._freed_from_steps = {}  # the test's own record: request -> the steps it was freed from
     steps, names = [], [f"q{i}" for i in range(12)]
     for _ in range(200):
         known = sorted(cache.seq_lens)
         if known and rng.random() < 0.35:
-            cache.free(rng.choice(known))
+            victim = rng.choice(known)
+            cache._freed_from_steps.setdefault(victim, set()).add(cache._epochs[victim])  # its latest step then
+            cache.free(victim)
         else:
             ids = rng.sample(names, rng.randint(1, 6))
             steps.append(cache.plan_step([StepRequest(r, 1) for r in ids]))
