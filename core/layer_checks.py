@@ -61,8 +61,8 @@ def check_step(step: object) -> PagedKVCache:
 
 
 def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
-    """The cache was built for a config that agrees with the layer's: profile, layer kind, window, and for a
-    CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's). Returns the layer's
+    """The cache was built for a config that agrees with the layer's: profile, layer kind, window, positions
+    (the cache's bound no larger than the layer's RoPE table), and for a CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's). Returns the layer's
     storage: the forward's one look-up of its layer id in the cache."""
     cache.check_profile(attn.profile)
     lc = cache.layers.get(attn.layer_id)
@@ -79,6 +79,11 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
     if cache.window != attn.cfg.sliding_window:
         raise CacheLayoutError.of("step.cache sliding_window", f"{attn.cfg.sliding_window} (the layer's config)",
                                   cache.window, hint="build the cache and the layer from the same ModelConfig")
+    if cache.cfg.max_position_embeddings > attn.cfg.max_position_embeddings:  # plan_step bounds positions by it
+        raise CacheLayoutError.of("step.cache max_position_embeddings",
+                                  f"at most {attn.cfg.max_position_embeddings} (the layer's RoPE table rows)",
+                                  cache.cfg.max_position_embeddings,
+                                  hint="build the cache and the layer from the same ModelConfig")
     if attn.indexer is not None and cache.cfg.index_topk != attn.cfg.index_topk:  # sizes RatioMetadata.topk_lens
         raise CacheLayoutError.of("step.cache index_topk", f"{attn.cfg.index_topk} (the layer's config)",
                                   cache.cfg.index_topk, hint="build the cache and the layer from the same ModelConfig")

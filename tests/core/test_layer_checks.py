@@ -124,6 +124,7 @@ def test_a_submodule_replaced_after_a_forward_by_a_bf16_one_is_refused(path, nam
     (2, {"compress_ratios": (0, 128, 4, 0)}, "step.cache layer 2: expected a HCA layer .*got CSA"),
     (0, {"sliding_window": 64}, "step.cache sliding_window: expected 128 .*got 64"),
     (1, {"index_topk": 16}, "step.cache index_topk: expected 8 .*got 16"),
+    (0, {"max_position_embeddings": 1 << 21}, r"step.cache max_position_embeddings: expected at most \d+ .*got 2097152"),
 ])
 @torch.no_grad()
 def test_cache_built_from_another_config_is_refused(layer_id, cache_cfg, message):
