@@ -26,6 +26,7 @@ from dsv4.layer_checks import (
     check_cache_matches,
     check_parameter_dtypes,
     check_step,
+    row_range,
     validate_backends,
 )
 from dsv4.layer_dispatch import DirectOps, direct_calls, resolve_backends
@@ -410,9 +411,10 @@ class Attention(nn.Module):
         corrected input, or free the requests; the next ``plan_step`` including them refuses otherwise.
         """
         cache = check_step(step)
+        lo, hi = row_range(rows, step.metadata.num_tokens)
         capturing = isinstance(x, torch.Tensor) and capturing_on(x.device)  # asked once a forward
         try:
-            out = self._forward(x, step, cache, rows, capturing)
+            out = self._forward(x, step, cache, lo, hi, capturing)
         except BaseException:
             cache.mark_unwritten(step, self.layer_id)
             raise
@@ -420,16 +422,9 @@ class Attention(nn.Module):
             cache._layer_ran(step.serial, self.layer_id)  # mark_written, its arguments checked above
         return out
 
-    def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, rows: slice | None,
+    def _forward(self, x: torch.Tensor, step: Step, cache: PagedKVCache, lo: int, hi: int,
                  capturing: bool) -> torch.Tensor:
         T = step.metadata.num_tokens
-        if rows is None:
-            lo, hi = 0, T
-        elif isinstance(rows, slice) and rows.step in (None, 1):
-            lo, hi, _ = rows.indices(T)
-            hi = max(lo, hi)
-        else:
-            raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens", rows)
         calls, lc = self._check(x, step, cache, hi > lo, capturing)
         if capturing:
             if not self.__dict__.get("_positions_reserved"):

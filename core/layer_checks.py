@@ -60,6 +60,22 @@ def check_step(step: object) -> PagedKVCache:
     return step.cache
 
 
+def row_range(rows: object, num_tokens: int) -> tuple[int, int]:
+    """``Attention.forward``'s ``rows``: None (every token) or a contiguous slice of the step's ``num_tokens``
+    tokens with int (or None) bounds -> ``(lo, hi)``, ``0 <= lo <= hi <= num_tokens``; checked before the forward
+    marks anything."""
+    if rows is None:
+        return 0, num_tokens
+    if isinstance(rows, slice) and rows.step in (None, 1):
+        try:
+            lo, hi, _ = rows.indices(num_tokens)
+        except TypeError:  # bounds that are not ints (slice.indices names no argument)
+            pass
+        else:
+            return lo, max(lo, hi)
+    raise DSV4ValueError.of("rows", "None or a contiguous slice of the step's tokens, with int bounds", rows)
+
+
 def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
     """The cache was built for a config that agrees with the layer's: profile, layer kind, window, positions
     (the cache's bound no larger than the layer's RoPE table), and for a CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's). Returns the layer's

@@ -60,6 +60,23 @@ def test_rejected_forward_blocks_the_next_plan_until_retried_or_freed():
     cache.plan_step([StepRequest("u", 5)])
 
 
+@torch.no_grad()
+def test_bad_rows_are_refused_before_the_forward_marks_anything():
+    """``rows`` that is not a contiguous slice with int bounds: an error naming ``rows`` (not slice.indices'
+    bare TypeError), and the layers that already ran the step stay written (no mark_unwritten)."""
+    cache = PagedKVCache(CFG, [0, 1], num_blocks=64)
+    step = cache.plan_step([StepRequest("r", 6)])
+    tiny_layer(0)(tiny_x(6), step)
+    attn = tiny_layer(1)
+    for rows in (slice(0.5, 2), slice(0, 6, 2), slice("a", None), range(0, 6)):
+        before = snapshot(cache)
+        with pytest.raises(DSV4ValueError, match=r"^rows: expected None or a contiguous slice"):
+            attn(tiny_x(6), step, rows=rows)
+        assert same_bytes(before, snapshot(cache))
+    assert attn(tiny_x(6), step, rows=slice(2, None)).shape[0] == 4
+    cache.plan_step([StepRequest("r", 1)])  # layer 0 need not run the step again
+
+
 def test_backend_names_are_checked_when_the_layer_is_built():
     with pytest.raises(DSV4ValueError, match=r"backends\['qnorm_rope_insert'\]: expected 'auto' or a registered"):
         Attention(CFG, 2, backends={"qnorm_rope_insert": "bogus"})
