@@ -141,7 +141,7 @@ class PagedKVCache:
         self.cfg = cfg
         self.device = resolve_device(device)
         self.profile = get_profile(profile).name
-        self.layer_ids = tuple(sorted({int(i) for i in layer_ids}))
+        self.layer_ids = tuple(sorted({int_arg("layer_ids[]", i, "int layer ids") for i in layer_ids}))
         if not self.layer_ids:
             raise DSV4ValueError.of("layer_ids", "at least one layer id", "an empty list")
         kinds = {i: cfg.layer_kind(i) for i in self.layer_ids}

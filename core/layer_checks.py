@@ -106,31 +106,32 @@ def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
     return lc
 
 
-def _fp32_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor]]:
-    """The layer's tensors that SPEC keeps in fp32 whatever the activations: sink, norm weights,
-    compressor weights and APE, the RoPE table (SPEC §3-§5, §7). Which parameters those are is found
-    once (a name walk costs ~20 µs a forward) and kept as module paths; each is looked up through
-    ``_modules`` every call, so a cast, a replaced parameter or a replaced submodule shows. A path that no
-    longer resolves (a submodule swapped for one of another shape) triggers one fresh walk."""
+def _parameter_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """Every tensor of the layer -> (name, tensor, kept fp32): SPEC keeps the sink, norm weights, compressor
+    weights and APE and the RoPE table in fp32 whatever the activations (SPEC §3-§5, §7); the projections
+    take the activations' dtype. The parameters are found once (a name walk costs ~20 µs a forward) and
+    kept as module paths; each is looked up through ``_modules`` every call, so a cast, a replaced parameter,
+    a ``.data`` swap or a replaced submodule shows. A path that no longer resolves (a submodule swapped for one
+    of another shape) triggers one fresh walk."""
     for fresh in (False, True):
         if fresh or attn._fp32_parameter_slots is None:
             slots = []
             for name, _ in attn.named_parameters():
-                if name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name:
-                    owner, _, attr = name.rpartition(".")
-                    slots.append((name, tuple(owner.split(".")) if owner else (), attr))
+                fp32 = name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name
+                owner, _, attr = name.rpartition(".")
+                slots.append((name, tuple(owner.split(".")) if owner else (), attr, fp32))
             attn._fp32_parameter_slots = slots
         found = _resolve_slots(attn, attn._fp32_parameter_slots)
         if found is not None:
             break
     yield from found
-    yield "cos_sin (RoPE table buffer)", attn.cos_sin
+    yield "cos_sin (RoPE table buffer)", attn.cos_sin, True
 
 
 def _resolve_slots(attn: Attention, slots: list) -> list[tuple[str, torch.Tensor]] | None:
     """``slots`` looked up from ``attn`` through ``_modules`` / ``_parameters``; None where a path is gone."""
     out = []
-    for name, path, attr in slots:
+    for name, path, attr, fp32 in slots:
         module = attn
         for part in path:
             module = module._modules.get(part)
@@ -139,18 +140,34 @@ def _resolve_slots(attn: Attention, slots: list) -> list[tuple[str, torch.Tensor
         t = module._parameters.get(attr)
         if t is None:
             return None
-        out.append((name, t))
+        out.append((name, t, fp32))
     return out
 
 
 def check_parameter_dtypes(attn: Attention, x: torch.Tensor) -> None:
-    """fp32 parameters must still be fp32 (float64 allowed for the float64 ideal): ``attn.to(torch.bfloat16)``
-    or ``.half()`` casts them too, and the ops would fail later naming their own arguments."""
-    allowed = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
-    bad = [(name, t.dtype) for name, t in _fp32_tensors(attn) if t.dtype not in allowed]
+    """Every parameter on x's device; fp32 parameters still fp32 (float64 allowed for the float64 ideal):
+    ``attn.to(torch.bfloat16)`` or ``.half()`` casts them too; the projections in x's dtype. Otherwise an op
+    would fail later (after the first cache write) with torch's own error, naming no parameter."""
+    dtype, where = x.dtype, x.device
+    allowed = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    bad, act, device = [], None, None
+    for name, t, fp32 in _parameter_tensors(attn):
+        if fp32:
+            if t.dtype not in allowed:
+                bad.append((name, t.dtype))
+        elif t.dtype != dtype and act is None:
+            act = (name, t.dtype)
+        if device is None and t.device != where:
+            device = (name, t.device)
     if bad:
         also = f"{', '.join(n for n, _ in bad[1:])} were cast too; " if len(bad) > 1 else ""
         raise DSV4TypeError.of(
             f"layer parameter {bad[0][0]}", "dtype torch.float32 (SPEC §3-§5: kept fp32 for bf16 input)", bad[0][1],
             hint=f"{also}Attention.to(dtype) / .half() / .bfloat16() casts every floating parameter: build the "
             "layer in its own dtypes and cast the input x (load bf16 weights with load_state_dict), not the layer")
+    if act is not None:
+        raise DSV4TypeError.of(f"layer parameter {act[0]}", f"dtype {dtype} (x's: the projections run in it)",
+                               act[1], hint="load the projection weights in the activations' dtype")
+    if device is not None:
+        raise DSV4ValueError.of(f"layer parameter {device[0]}", f"device {where} (x's and the cache's)", device[1],
+                                hint="move the layer with attn.to(device) (it keeps each parameter's dtype)")

@@ -103,6 +103,34 @@ def test_a_backend_that_cannot_run_the_step_is_refused_before_any_write(layer_id
     assert same_bytes(before, snapshot(cache))
 
 
+@pytest.mark.parametrize("path, change, error, message", [
+    ("wq_b.weight", lambda t: t.float(), DSV4TypeError,
+     r"^layer parameter wq_b.weight: expected dtype torch.bfloat16 \(x's: the projections run in it\), got torch.float32"),
+    ("indexer.weights_proj.weight", lambda t: t.float(), DSV4TypeError,
+     r"^layer parameter indexer.weights_proj.weight: expected dtype torch.bfloat16"),
+    ("wo_b.weight", lambda t: t.to("meta"), DSV4ValueError,
+     r"^layer parameter wo_b.weight: expected device cpu \(x's and the cache's\), got meta"),
+    ("compressor.ape", lambda t: t.to("meta"), DSV4ValueError, r"^layer parameter compressor.ape: expected device cpu"),
+])
+@torch.no_grad()
+def test_a_projection_in_another_dtype_or_device_is_named_before_any_write(path, change, error, message):
+    """A ``.data`` swap of a projection weight (dtype) or any parameter (device): before, torch raised inside the
+    projection after the compressor had written the cache (or, on ``meta``, the output was garbage)."""
+    attn = tiny_layer(1)  # CSA: compressor, indexer and projections
+    cache = PagedKVCache(CFG, [1], num_blocks=64)
+    step = cache.plan_step([StepRequest("r", 40)])
+    param = attn.get_parameter(path)
+    if error is DSV4TypeError:
+        param.data = change(param.data)  # the same Parameter, another dtype
+    else:  # a tensor cannot take another device's data: a new Parameter in its place
+        owner, _, attr = path.rpartition(".")
+        setattr(attn.get_submodule(owner), attr, torch.nn.Parameter(change(param.data), requires_grad=False))
+    before = snapshot(cache)
+    with pytest.raises(error, match=message):
+        attn(tiny_x(40), step)
+    assert same_bytes(before, snapshot(cache))
+
+
 @pytest.mark.parametrize("layer_id", [0, 1, 2])
 @torch.no_grad()
 def test_layer_cast_to_bf16_names_the_fp32_parameter(layer_id):
