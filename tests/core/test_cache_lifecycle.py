@@ -173,6 +173,9 @@ def test_free_and_replan_make_earlier_steps_stale_but_not_the_latest():
      r"num_blocks: expected keys among .*got \['bogus'\]"),
     (lambda c: PlannedOnly(CFG, [0, 2], num_blocks={"swa": 4}), DSV4ValueError,
      r"num_blocks\['c128'\]: expected a positive int, got missing"),
+    (lambda c: PlannedOnly(CFG, [0, 1.5], num_blocks=4), DSV4TypeError,
+     r"layer_ids\[\]: expected int layer ids, got float 1.5"),
+    (lambda c: PlannedOnly(CFG, ["a"], num_blocks=4), DSV4TypeError, r"layer_ids\[\]: expected int layer ids, got str"),
 ])
 def test_plan_and_cache_arguments_raise_named_errors(call, error, message):
     cache = PlannedOnly(CFG, [0, 1, 2], num_blocks=16)
