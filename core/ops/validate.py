@@ -165,14 +165,13 @@ def check_slots(name: str, slots: torch.Tensor, capacity: int) -> None:
                                 f"{slots[bad][:4].tolist()} (first offenders)")
 
 
-def check_pages(name: str, block_table: torch.Tensor, num_blocks: int) -> None:
+def check_pages(name: str, block_table: torch.Tensor, num_blocks: int, of_what: str = "blocks of the cache") -> None:
     """Every block-table entry is -1 (no page) or a page id in ``[0, num_blocks)`` (SPEC §10)."""
     if block_table.numel() == 0:
         return
     low, high = _min_max(block_table)
     if low < -1 or high >= num_blocks:
-        raise DSV4ValueError.of(name, f"-1 or page ids in [0, {num_blocks}) (blocks of the cache)",
-                                f"range [{low}, {high}]")
+        raise DSV4ValueError.of(name, f"-1 or page ids in [0, {num_blocks}) ({of_what})", f"range [{low}, {high}]")
 
 
 def _check_below(name: str, values: torch.Tensor, rows: int, of_what: str = "") -> None:

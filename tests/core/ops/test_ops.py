@@ -179,6 +179,23 @@ def test_indexer_topk_slots_page_arguments_follow_one_rule_at_every_entry(table_
     assert slots.dtype == lens.dtype == torch.int32  # an integer with __index__ is taken
 
 
+@pytest.mark.parametrize("table, size, message", [
+    (torch.full((4, 3), -5, dtype=torch.int32), 64, r"compressed_block_table: expected -1 or page ids in "
+     r"\[0, 33554432\) \(global slots below 2\*\*31 at 64 entries a page\), got range \[-5, -5\]"),
+    (torch.full((4, 3), 1 << 25, dtype=torch.int32), 64, r"got range \[33554432, 33554432\]"),
+    (torch.zeros((1, 3), dtype=torch.int32), 64, r"token_request: expected values in \[0, 1\)"),
+])
+def test_indexer_topk_slots_range_checks_the_compressed_table(table, size, message):
+    """Negative page ids other than -1 (all slots silently -1: the compressed context dropped), pages whose
+    slots overflow int32, and token rows past the table are refused where values are checked (the op has no
+    compressed cache to bound the pages by; sparse_attention bounds the slots by it)."""
+    prepared = prepare(Case("indexer_topk", "csa", "deepseek", "indexer_fp8", "mixed"))
+    args, kwargs = prepared.steps[0]
+    assert int(args[3].max()) >= 1  # token_request reaches a second request row
+    with pytest.raises(DSV4ValueError, match=message):
+        ops.indexer_topk_slots(*args, table, compressed_block_size=size, **kwargs)
+
+
 def test_output_projection_names_wo_a_when_its_rows_do_not_split_into_groups():
     prepared = prepare(_CASES["output_projection"])
     (o, positions, cos_sin, wo_a, wo_b), kwargs = prepared.steps[0]
