@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.conformance.cli_list import cmd_list
+from dsv4.specs.config import preset_names
+from dsv4.specs.geometry import geometry_names
+from dsv4.specs.numerics import profile_names
 
 __all__ = ["build_parser", "main"]
 
@@ -99,19 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-layer-golden",
                        help="write a random-weight layer golden whose outputs are the reference's (e.g. for --tp 2)")
     p.add_argument("file", metavar="OUT.json")
-    p.add_argument("--preset", default="tiny-g2", help="model preset (default tiny-g2: 8 heads, 2 output groups)")
+    p.add_argument("--preset", default="tiny-g2", choices=preset_names(),
+                   help="model preset (default tiny-g2: 8 heads, 2 output groups)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--numerics", default="deepseek", help="numerics profile (deepseek, vllm)")
+    p.add_argument("--numerics", default="deepseek", choices=profile_names(),
+                   help=f"numerics profile ({', '.join(profile_names())})")
     p = sub.add_parser("plan", help="KV memory of one request, per layer kind and total (SPEC §9)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="v4-flash, v4-pro, tiny, tiny-g2")
+    source.add_argument("--preset", choices=preset_names(), help=", ".join(preset_names()))
     source.add_argument("--config", help="path of a config.json")
     p.add_argument("--context", type=int, default=1 << 20, help="tokens in the request (default 1048576)")
     p.add_argument("--step-tokens", type=int, default=1,
                    help="tokens of the request's latest step: window groups hold the window plus the step until the "
                         "next plan (default 1, a decode; the engine's most tokens a step to size a pool)")
-    p.add_argument("--profile", default="deepseek")
-    p.add_argument("--geometry", default="vllm")
+    p.add_argument("--profile", default="deepseek", choices=profile_names())
+    p.add_argument("--geometry", default="vllm", choices=geometry_names())
     p.add_argument("--json", action="store_true")
     return parser
 
@@ -349,8 +354,12 @@ def cmd_layer_golden(args: argparse.Namespace) -> int:
 
 def cmd_make_layer_golden(args: argparse.Namespace) -> int:
     from dsv4.conformance.layer_golden import DEFAULT_STEPS, make_layer_golden
+    from dsv4.conformance.usage import UsageError, check_output_path
     from dsv4.specs.config import ModelConfig
 
+    if not args.file.endswith(".json"):
+        raise UsageError.of("OUT.json", "a NAME.json path (the tensors go beside it)", repr(args.file))
+    check_output_path("OUT.json", args.file)  # as --json: an existing writable directory, never created
     path = make_layer_golden(args.file, preset=args.preset, seed=args.seed, numerics=args.numerics)
     ratios = list(ModelConfig.preset(args.preset).compress_ratios)
     _console().print(_escape(f"wrote {path} and {path.with_suffix('.safetensors').name}: {len(ratios)} layers "

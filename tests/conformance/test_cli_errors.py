@@ -28,10 +28,27 @@ from safetensors.torch import load_file, save_file
     (["plan", "--preset", "v4-pro", "--context", "0"], ["--context", "an int >= 1", "got 0"]),
     (["plan", "--preset", "v4-pro", "--context", "0", "--json"], ["--context"]),
     (["plan", "--preset", "v4-pro", "--step-tokens", "0"], ["--step-tokens", "an int >= 1", "got 0"]),
+    (["make-layer-golden", "no/such/dir/g.json"], ["OUT.json", "an existing directory", "no/such/dir/g.json"]),
+    (["make-layer-golden", "g.txt"], ["OUT.json", "a NAME.json path", "'g.txt'"]),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, words, capsys):
     assert main(argv) == 2
     _one_line_error(capsys, *words)
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["plan", "--preset", "nope"], "--preset"),
+    (["plan", "--preset", "tiny", "--profile", "nope"], "--profile"),
+    (["plan", "--preset", "tiny", "--geometry", "nope"], "--geometry"),
+    (["make-layer-golden", "g.json", "--preset", "nope"], "--preset"),
+    (["make-layer-golden", "g.json", "--numerics", "nope"], "--numerics"),
+])
+def test_unknown_names_are_usage_errors_naming_the_option(argv, option, capsys):
+    """Presets, profiles and geometries are argparse choices (they exited 1 naming ``name``, not the option)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_plan_config_that_is_not_a_json_object_exits_1(tmp_path, capsys):
