@@ -89,6 +89,7 @@ def test_make_layer_golden_is_deterministic_and_replays(tmp_path, capsys):
     from dsv4.conformance.layer_golden import load_layer_golden, make_layer_golden
 
     seed = int(torch.randint(0, 2**31, ()).item())
+    (tmp_path / "a").mkdir()  # the CLI writes into an existing directory, as every other output path
     assert main(["make-layer-golden", str(tmp_path / "a" / "g.json"), "--seed", str(seed)]) == 0
     assert "4 layers (ratios [0, 4, 128, 0]), 133 tokens in 3 steps" in capsys.readouterr().out
     first = make_layer_golden(tmp_path / "b.json", seed=seed)
