@@ -52,7 +52,7 @@ from dsv4.ops.validate import (
 )
 from dsv4.registry import get_registry
 from dsv4.specs.config import ROPE_DIM
-from dsv4.specs.errors import DSV4ValueError
+from dsv4.specs.errors import DSV4Error, DSV4ValueError
 
 __all__ = [
     "OP_NAMES",
@@ -94,6 +94,7 @@ def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     swa_slot_mapping [T] int64 -> q_out [T,H,512] q.dtype; writes roped kv into ``swa_cache``."""
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
+    _row_width("q", q, kv_format)
     num_tokens = q.shape[0]
     check_rank("kv", kv, 2)
     check_rows("kv", kv, num_tokens)
@@ -102,6 +103,8 @@ def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     _positions(positions, num_tokens)
     _cos_sin(cos_sin)
     _slots("swa_slot_mapping", swa_slot_mapping, num_tokens)
+    _same_device("q", q, kv=kv, positions=positions, cos_sin=cos_sin, swa_cache=swa_cache,
+                 swa_slot_mapping=swa_slot_mapping)
     if value_checks_enabled(q):
         check_positions_range(positions, cos_sin.shape[0])
         _slots_in_cache("swa_slot_mapping", swa_slot_mapping, kv_format, swa_cache)
@@ -144,7 +147,14 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         raise DSV4ValueError.of("ape", f"shape ({ratio}, {width // 2})", f"shape {tuple(ape.shape)}")
     if tuple(norm_weight.shape) != (head_dim,):
         raise DSV4ValueError.of("norm_weight", f"shape ({head_dim},)", f"shape {tuple(norm_weight.shape)}")
+    if _format_width(out_format) not in (None, head_dim):
+        raise DSV4ValueError.of("head_dim", f"{_format_width(out_format)} (the rows of {out_format})", head_dim)
+    check_dtype("ape", ape, torch.float32, torch.float64)  # SPEC §5: kept fp32 whatever the activations
+    check_dtype("norm_weight", norm_weight, torch.float32, torch.float64)
     _cos_sin(cos_sin)
+    _same_device("kv_score", kv_score, positions=positions, token_request=token_request, state_cache=state_cache,
+                 state_block_table=state_block_table, state_slot_mapping=state_slot_mapping, ape=ape,
+                 norm_weight=norm_weight, cos_sin=cos_sin, out_cache=out_cache, out_slot_mapping=out_slot_mapping)
     if value_checks_enabled(kv_score):
         check_positions_range(positions, cos_sin.shape[0])
         check_slots("state_slot_mapping", state_slot_mapping, state_cache.shape[0] * state_cache.shape[1])
@@ -171,6 +181,7 @@ def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Ten
         raise DSV4ValueError.of("weights", f"shape {tuple(index_q.shape[:2])}", f"shape {tuple(weights.shape)}")
     _positions(positions, num_tokens)
     _cos_sin(cos_sin)
+    _same_device("index_q", index_q, weights=weights, positions=positions, cos_sin=cos_sin)
     if value_checks_enabled(index_q):
         check_positions_range(positions, cos_sin.shape[0])
     return _call("indexer_q", backend, (index_q, weights, positions, cos_sin), {"profile": profile})
@@ -184,12 +195,17 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
     num_tokens = q.shape[0]
+    _row_width("q", q, key_format)
     check_rank("w", w, 2)
-    check_rows("w", w, num_tokens)
+    if tuple(w.shape) != tuple(q.shape[:2]):
+        raise DSV4ValueError.of("w", f"shape {tuple(q.shape[:2])} (q's tokens and heads)", f"shape {tuple(w.shape)}")
+    check_dtype("w", w, torch.float32, torch.float64)  # SPEC §6.2: indexer_q's fp32 head weights
     _positions(positions, num_tokens)
     _request_ids(token_request, num_tokens)
     check_rank("key_block_table", key_block_table, 2)
     check_dtype("key_block_table", key_block_table, I32)
+    _same_device("q", q, w=w, positions=positions, token_request=token_request, key_cache=key_cache,
+                 key_block_table=key_block_table)
     if int(topk) <= 0:
         raise DSV4ValueError.of("topk", "a positive width", topk)
     if not isinstance(ratio, int) or ratio <= 0:  # the reference's rule, before check_key_pages divides by it
@@ -249,6 +265,9 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     check_dtype("sink", sink, torch.float32, torch.float64)
     if tuple(sink.shape) != (heads,):
         raise DSV4ValueError.of("sink", f"shape ({heads},)", f"shape {tuple(sink.shape)}")
+    _row_width("q", q, kv_format)
+    _same_device("q", q, swa_cache=swa_cache, swa_indices=swa_indices, swa_lens=swa_lens, extra_cache=extra_cache,
+                 extra_indices=extra_indices, extra_lens=extra_lens, sink=sink)
     if value_checks_enabled(q):
         check_indices("swa_indices", swa_indices, swa_lens, cache_capacity(kv_format, swa_cache))
         if extra_indices is not None:
@@ -279,6 +298,9 @@ def output_projection(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
                                 f"shape {tuple(wo_a.shape)}")
     if wo_b.shape[1] != wo_a.shape[0]:
         raise DSV4ValueError.of("wo_b", f"shape [hidden, {wo_a.shape[0]}]", f"shape {tuple(wo_b.shape)}")
+    check_dtype("wo_a", wo_a, o.dtype)  # the projections run in the activations' dtype
+    check_dtype("wo_b", wo_b, o.dtype)
+    _same_device("o", o, positions=positions, cos_sin=cos_sin, wo_a=wo_a, wo_b=wo_b)
     if value_checks_enabled(o):
         check_positions_range(positions, cos_sin.shape[0])
     return _call("output_projection", backend, (o, positions, cos_sin, wo_a, wo_b),
@@ -308,6 +330,33 @@ def _slots_in_cache(name: str, slots: torch.Tensor, format_name: str, cache: tor
     capacity = cache_capacity(format_name, cache)
     if capacity is not None:  # None: a layout the codec cannot read, which the backend reports
         check_slots(name, slots, capacity)
+
+
+def _same_device(first: str, anchor: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Every tensor (None: absent) on ``anchor``'s device: a tensor elsewhere would reach the backend (Triton:
+    a pointer error naming no argument; torch: a device error from inside an op)."""
+    where = anchor.device
+    for name, t in tensors.items():
+        if t is not None and t.device != where:
+            raise DSV4ValueError.of(name, f"device {where} ({first}'s)", t.device)
+
+
+def _format_width(format_name: str) -> int | None:
+    """The row width of the cache format ``format_name``; None for one the codecs do not know (the backend
+    reports it)."""
+    from dsv4.codecs import get_codec  # late: the codecs are not needed to import the ops
+
+    try:
+        return get_codec(format_name).row_dim
+    except DSV4Error:
+        return None
+
+
+def _row_width(name: str, t: torch.Tensor, format_name: str) -> None:
+    """``t``'s last dim is the row width of the cache format ``format_name``."""
+    width = _format_width(format_name)
+    if width is not None and t.shape[-1] != width:
+        raise DSV4ValueError.of(name, f"last dim {width} (the rows of {format_name})", f"shape {tuple(t.shape)}")
 
 
 def _cos_sin(cos_sin: torch.Tensor) -> None:
