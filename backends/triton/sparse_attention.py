@@ -299,7 +299,7 @@ def _finish(acc, m_i, l_i, sink_ptr, heads, head_ok, cols, out_row, stride_oh, l
     m_safe = tl.where(empty, 0.0, m_i)
     top = tl.maximum(m_safe, sink)
     denominator = l_i * tl.exp2(m_safe - top) + tl.exp2(sink - top)
-    factor = tl.where(empty, 0.0, tl.exp2(m_safe - top) / denominator)
+    factor = tl.where(empty, 0.0, tl.exp2(m_safe - top) / tl.where(empty, 1.0, denominator))  # no 0 / 0 lanes
     out = acc * factor[:, None]
     tl.store(out_row + heads[:, None] * stride_oh + cols[None, :], to_bf16(out), mask=head_ok[:, None])
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -381,7 +381,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_layout: Laten
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q's strides may be odd
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
-    if num_tokens == 0:
+    if num_tokens == 0 or num_heads == 0:  # nothing to compute (no program to launch)
         return out, lse
     triton_tuned = any(v is not None for v in (block_heads, block_keys, num_warps, num_stages, split_probs,
                                                 isolate_scores, prefetch))  # before defaults fill them in

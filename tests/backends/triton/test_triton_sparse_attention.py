@@ -7,6 +7,8 @@ SWA / extra caches of different page sizes.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _triton_helpers import assert_close
@@ -147,6 +149,24 @@ def test_swa_only_and_heads_not_power_of_two() -> None:
                                                   kv_format="fp8_ds_mla", softmax_scale=SCALE,
                                                   profile="deepseek")
     _check(out, lse, out_ref, lse_ref, "deepseek")
+
+
+def test_an_empty_row_with_a_minus_inf_sink_divides_nothing_by_zero() -> None:
+    """Row 0 is empty and head 1's sink is -inf: out 0, lse +inf, with no 0 / 0 lane on the way (the
+    interpreter printed numpy's divide-by-zero warning before the main job's table)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _run_case("bf16", "ascend")
+
+
+def test_zero_heads_give_empty_outputs() -> None:
+    """No head block, no program (the split heuristic divided by zero programs where keys span tiles)."""
+    cache = _filled_cache("fp8_ds_mla", 2, 64)
+    idx, lens = _indices(2, 128, 128)
+    out, lse = TritonBackend().sparse_attention(torch.zeros(2, 0, 512, dtype=torch.bfloat16), cache, idx, lens, None,
+                                                None, None, torch.zeros(0), kv_format="fp8_ds_mla",
+                                                softmax_scale=SCALE, profile="vllm")
+    assert out.shape == (2, 0, 512) and lse.shape == (2, 0)
 
 
 def test_split_heuristics() -> None:
