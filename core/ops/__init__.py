@@ -52,7 +52,7 @@ from dsv4.ops.validate import (
 )
 from dsv4.registry import get_registry
 from dsv4.specs.config import ROPE_DIM
-from dsv4.specs.errors import DSV4Error, DSV4ValueError
+from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
 
 __all__ = [
     "OP_NAMES",
@@ -94,7 +94,7 @@ def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     swa_slot_mapping [T] int64 -> q_out [T,H,512] q.dtype; writes roped kv into ``swa_cache``."""
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
-    _row_width("q", q, kv_format)
+    _row_width("q", q, "kv_format", kv_format)
     num_tokens = q.shape[0]
     check_rank("kv", kv, 2)
     check_rows("kv", kv, num_tokens)
@@ -147,8 +147,9 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         raise DSV4ValueError.of("ape", f"shape ({ratio}, {width // 2})", f"shape {tuple(ape.shape)}")
     if tuple(norm_weight.shape) != (head_dim,):
         raise DSV4ValueError.of("norm_weight", f"shape ({head_dim},)", f"shape {tuple(norm_weight.shape)}")
-    if _format_width(out_format) not in (None, head_dim):
-        raise DSV4ValueError.of("head_dim", f"{_format_width(out_format)} (the rows of {out_format})", head_dim)
+    if _format_width("out_format", out_format) != head_dim:
+        raise DSV4ValueError.of("head_dim", f"{_format_width('out_format', out_format)} (the rows of {out_format})",
+                                head_dim)
     check_dtype("ape", ape, torch.float32, torch.float64)  # SPEC §5: kept fp32 whatever the activations
     check_dtype("norm_weight", norm_weight, torch.float32, torch.float64)
     _cos_sin(cos_sin)
@@ -195,7 +196,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     check_rank("q", q, 3)
     check_dtype("q", q, *FLOATS)
     num_tokens = q.shape[0]
-    _row_width("q", q, key_format)
+    _row_width("q", q, "key_format", key_format)
     check_rank("w", w, 2)
     if tuple(w.shape) != tuple(q.shape[:2]):
         raise DSV4ValueError.of("w", f"shape {tuple(q.shape[:2])} (q's tokens and heads)", f"shape {tuple(w.shape)}")
@@ -265,7 +266,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
     check_dtype("sink", sink, torch.float32, torch.float64)
     if tuple(sink.shape) != (heads,):
         raise DSV4ValueError.of("sink", f"shape ({heads},)", f"shape {tuple(sink.shape)}")
-    _row_width("q", q, kv_format)
+    _row_width("q", q, "kv_format", kv_format)
     _same_device("q", q, swa_cache=swa_cache, swa_indices=swa_indices, swa_lens=swa_lens, extra_cache=extra_cache,
                  extra_indices=extra_indices, extra_lens=extra_lens, sink=sink)
     if value_checks_enabled(q):
@@ -341,21 +342,21 @@ def _same_device(first: str, anchor: torch.Tensor, **tensors: torch.Tensor | Non
             raise DSV4ValueError.of(name, f"device {where} ({first}'s)", t.device)
 
 
-def _format_width(format_name: str) -> int | None:
-    """The row width of the cache format ``format_name``; None for one the codecs do not know (the backend
-    reports it)."""
+def _format_width(argument: str, format_name: str) -> int:
+    """The row width of the cache format ``format_name``, the op's ``argument`` (a name SPEC does not list is
+    refused here, naming it, rather than by a codec deep in a backend)."""
     from dsv4.codecs import get_codec  # late: the codecs are not needed to import the ops
+    from dsv4.specs.formats import CacheFormat, format_names
 
-    try:
-        return get_codec(format_name).row_dim
-    except DSV4Error:
-        return None
+    if (format_name.name if isinstance(format_name, CacheFormat) else format_name) not in format_names():
+        raise CacheLayoutError.of(argument, f"one of {', '.join(format_names())}", repr(format_name))
+    return get_codec(format_name).row_dim
 
 
-def _row_width(name: str, t: torch.Tensor, format_name: str) -> None:
-    """``t``'s last dim is the row width of the cache format ``format_name``."""
-    width = _format_width(format_name)
-    if width is not None and t.shape[-1] != width:
+def _row_width(name: str, t: torch.Tensor, argument: str, format_name: str) -> None:
+    """``t``'s last dim is the row width of the cache format ``format_name`` (the op's ``argument``)."""
+    width = _format_width(argument, format_name)
+    if t.shape[-1] != width:
         raise DSV4ValueError.of(name, f"last dim {width} (the rows of {format_name})", f"shape {tuple(t.shape)}")
 
 

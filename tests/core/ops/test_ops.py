@@ -180,8 +180,8 @@ def test_indexer_topk_slots_page_arguments_follow_one_rule_at_every_entry(table_
 
 
 @pytest.mark.parametrize("table, size, message", [
-    (torch.full((4, 3), -5, dtype=torch.int32), 64, r"compressed_block_table: expected -1 or page ids in "
-     r"\[0, 33554432\) \(global slots below 2\*\*31 at 64 entries a page\), got range \[-5, -5\]"),
+    (torch.full((4, 3), -5, dtype=torch.int32), 64, (r"compressed_block_table: expected -1 or page ids in "
+     r"\[0, 33554432\) \(global slots below 2\*\*31 at 64 entries a page\), got range \[-5, -5\]")),
     (torch.full((4, 3), 1 << 25, dtype=torch.int32), 64, r"got range \[33554432, 33554432\]"),
     (torch.zeros((1, 3), dtype=torch.int32), 64, r"token_request: expected values in \[0, 1\)"),
 ])

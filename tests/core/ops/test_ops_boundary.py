@@ -8,7 +8,7 @@ import pytest
 import torch
 from dsv4 import ops
 from dsv4.conformance.cases import default_cases, prepare
-from dsv4.specs.errors import DSV4TypeError, DSV4ValueError
+from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 
 _CASES = {c.op: c for c in reversed(default_cases()) if c.variant != "wide"}
 
@@ -58,3 +58,12 @@ def test_compress_insert_head_dim_must_be_the_out_formats_rows():
     assert kwargs["out_format"] == "fp8_ds_mla" and kwargs["head_dim"] == 512
     with pytest.raises(DSV4ValueError, match=r"^head_dim: expected 128 \(the rows of indexer_fp8\), got 512"):
         ops.compress_insert(*args, **{**kwargs, "out_format": "indexer_fp8"}, backend="reference")
+
+
+@pytest.mark.parametrize("op, argument", [("sparse_attention", "kv_format"), ("qnorm_rope_insert", "kv_format"),
+                                          ("indexer_topk", "key_format"), ("compress_insert", "out_format")])
+def test_an_unknown_cache_format_is_named_by_the_ops_argument(op, argument):
+    """Not the codec's internal ``format_name`` from inside the reference."""
+    args, kwargs = prepare(_CASES[op]).steps[0]
+    with pytest.raises(CacheLayoutError, match=rf"^{argument}: expected one of fp8_ds_mla, .*got 'nope'"):
+        getattr(ops, op)(*args, **{**kwargs, argument: "nope"}, backend="reference")
