@@ -25,6 +25,8 @@ writes nothing (SPEC §12). Two kinds of checks:
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from dsv4.backend import OP_NAMES, Backend
 from dsv4.cache_args import MAX_SLOTS
@@ -52,7 +54,7 @@ from dsv4.ops.validate import (
 )
 from dsv4.registry import get_registry
 from dsv4.specs.config import ROPE_DIM
-from dsv4.specs.errors import CacheLayoutError, DSV4ValueError
+from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 
 __all__ = [
     "OP_NAMES",
@@ -109,7 +111,7 @@ def qnorm_rope_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
         check_positions_range(positions, cos_sin.shape[0])
         _slots_in_cache("swa_slot_mapping", swa_slot_mapping, kv_format, swa_cache)
     return _call("qnorm_rope_insert", backend, (q, kv, positions, cos_sin, swa_cache, swa_slot_mapping),
-                 {"kv_format": kv_format, "eps": float(eps), "profile": profile})
+                 {"kv_format": kv_format, "eps": _real("eps", eps), "profile": profile})
 
 
 def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_request: torch.Tensor,
@@ -168,7 +170,7 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
           (kv_score, positions, token_request, state_cache, state_block_table, state_slot_mapping, ape, norm_weight,
            cos_sin, out_cache, out_slot_mapping),
           {"ratio": int(ratio), "head_dim": int(head_dim), "out_format": out_format, "profile": profile,
-           "eps": float(eps), "windows_in_call": bool(windows_in_call)})
+           "eps": _real("eps", eps), "windows_in_call": bool(windows_in_call)})
 
 
 def indexer_q(index_q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,
@@ -207,7 +209,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, toke
     check_dtype("key_block_table", key_block_table, I32)
     _same_device("q", q, w=w, positions=positions, token_request=token_request, key_cache=key_cache,
                  key_block_table=key_block_table)
-    if int(topk) <= 0:
+    topk = _integer("topk", topk)
+    if topk <= 0:
         raise DSV4ValueError.of("topk", "a positive width", topk)
     if not isinstance(ratio, int) or ratio <= 0:  # the reference's rule, before check_key_pages divides by it
         raise DSV4ValueError.of("ratio", "a positive int", ratio)
@@ -275,7 +278,7 @@ def sparse_attention(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torc
             check_indices("extra_indices", extra_indices, extra_lens, cache_capacity(kv_format, extra_cache))
     return _call("sparse_attention", backend,
                  (q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, sink),
-                 {"kv_format": kv_format, "softmax_scale": float(softmax_scale), "profile": profile},
+                 {"kv_format": kv_format, "softmax_scale": _real("softmax_scale", softmax_scale), "profile": profile},
                  {"extra_kind": extra_kind})
 
 
@@ -331,6 +334,26 @@ def _slots_in_cache(name: str, slots: torch.Tensor, format_name: str, cache: tor
     capacity = cache_capacity(format_name, cache)
     if capacity is not None:  # None: a layout the codec cannot read, which the backend reports
         check_slots(name, slots, capacity)
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a float (anything ``float()`` takes but a bool), else an error naming ``name``."""
+    try:
+        if not isinstance(value, bool):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    raise DSV4TypeError.of(name, "a real number", f"{type(value).__name__} {value!r}")
+
+
+def _integer(name: str, value: object) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool: not 8.0), else an error naming ``name``."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise DSV4TypeError.of(name, "an int", f"{type(value).__name__} {value!r}")
 
 
 def _same_device(first: str, anchor: torch.Tensor, **tensors: torch.Tensor | None) -> None:

@@ -67,3 +67,17 @@ def test_an_unknown_cache_format_is_named_by_the_ops_argument(op, argument):
     args, kwargs = prepare(_CASES[op]).steps[0]
     with pytest.raises(CacheLayoutError, match=rf"^{argument}: expected one of fp8_ds_mla, .*got 'nope'"):
         getattr(ops, op)(*args, **{**kwargs, argument: "nope"}, backend="reference")
+
+
+@pytest.mark.parametrize("op, argument, value, message", [
+    ("qnorm_rope_insert", "eps", "x", r"^eps: expected a real number, got str 'x'"),
+    ("compress_insert", "eps", None, r"^eps: expected a real number, got NoneType None"),
+    ("sparse_attention", "softmax_scale", "x", r"^softmax_scale: expected a real number, got str 'x'"),
+    ("indexer_topk", "topk", "x", r"^topk: expected an int, got str 'x'"),
+    ("indexer_topk", "topk", 8.0, r"^topk: expected an int, got float 8.0"),
+])
+def test_scalars_that_are_not_numbers_are_named(op, argument, value, message):
+    """Not Python's bare ``could not convert string to float`` from inside the wrapper."""
+    args, kwargs = prepare(_CASES[op]).steps[0]
+    with pytest.raises(DSV4TypeError, match=message):
+        getattr(ops, op)(*args, **{**kwargs, argument: value}, backend="reference")
