@@ -46,9 +46,17 @@ def validate_backends(backends: object, op_names: tuple[str, ...]) -> dict[str, 
             continue
         if not isinstance(backend, str):
             raise DSV4TypeError.of(where, "a backend name (str) or a dsv4.Backend", type(backend).__name__)
-        if backend not in ("", "auto") and backend not in registry.backend_names():
+        if backend in ("", "auto"):
+            continue
+        if backend not in registry.backend_names():
             raise DSV4ValueError.of(where, f"'auto' or a registered backend ({', '.join(registry.backend_names())})",
                                     repr(backend), hint=registry.failed_plugins_hint())
+        implemented = registry.get(backend).capabilities.ops
+        if op not in implemented:  # said now, not as the probe's reason at the first forward
+            raise DSV4ValueError.of(where, f"a backend that implements {op}",
+                                    f"{backend!r}, which implements {', '.join(sorted(implemented))}",
+                                    hint=f"name it for the ops it implements: backends={{{min(implemented)!r}: "
+                                    f"{backend!r}}} (the rest 'auto')")
     return chosen
 
 

@@ -87,11 +87,17 @@ def test_backend_names_are_checked_when_the_layer_is_built():
     with pytest.raises(DSV4TypeError, match="backends: expected None, a backend name.*got int 123"):
         Attention(CFG, 0, backends=123)
     assert Attention(CFG, 0, backends={"sparse_attention": "reference"}).backends["indexer_q"] == "auto"
+    # a backend named for an op it does not implement: said when the layer is built, not as its probe's reason
+    with pytest.raises(DSV4ValueError, match=r"^backends\['output_projection'\]: expected a backend that implements "
+                                             r"output_projection, got 'flashmla', which implements sparse_attention"):
+        Attention(CFG, 2, backends={"output_projection": "flashmla"})
+    with pytest.raises(DSV4ValueError, match=r"^backends: expected a backend that implements qnorm_rope_insert, "
+                                             r"got 'flashmla'.*backends=\{'sparse_attention': 'flashmla'\}"):
+        Attention(CFG, 1, backends="flashmla")
 
 
 @pytest.mark.parametrize("layer_id, backends", [(1, {"sparse_attention": "flashmla"}),
-                                                (2, {"output_projection": "flashmla"}),
-                                                (1, {"indexer_topk": "flashmla"})])
+                                                (2, {"sparse_attention": "flashmla"})])
 @torch.no_grad()
 def test_a_backend_that_cannot_run_the_step_is_refused_before_any_write(layer_id, backends):
     attn = tiny_layer(layer_id, backends=backends)
