@@ -194,8 +194,8 @@ class PagedKVCache:
         self._serial = 0  # bumped by every plan_step and free
         self._epochs: dict[Hashable, int] = {}  # request -> serial of the latest step that includes it
         self._pending: dict[int, set[int]] = {}  # step serial -> layers still to run it (O(1) per forward)
-        self._freed: dict[int, tuple[Hashable, int]] = {}  # step serial -> (first request freed, serial then)
-        self._freed_ids: dict[int, set[Hashable]] = {}  # step serial -> requests freed while it was their latest
+        # step serial -> (first request freed, serial then, every request freed while it was their latest step)
+        self._freed: dict[int, tuple[Hashable, int, set[Hashable]]] = {}
         self._planned = 0  # serial of the latest plan_step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -214,8 +214,7 @@ class PagedKVCache:
         del self._step_starts[request_id]
         self._serial += 1
         latest = self._epochs.pop(request_id)
-        self._freed.setdefault(latest, (request_id, self._serial))  # runs until a plan
-        self._freed_ids.setdefault(latest, set()).add(request_id)  # not freed from an older step of it
+        self._freed.setdefault(latest, (request_id, self._serial, set()))[2].add(request_id)  # runs until a plan
 
     def rollback(self, request_id: Hashable, num_tokens: int) -> int:
         """Discard the last ``num_tokens`` tokens of ``request_id``: the draft tokens a speculative step
@@ -288,6 +287,7 @@ class PagedKVCache:
         freed = None  # its first request freed since
         replanned = None  # its first request re-planned by a later step, then freed
         live = False  # a request of it not freed nor re-planned
+        freed_here = () if only_frees else self._freed.get(step.serial, (None, 0, ()))[2]
         for request_id in step.metadata.request_ids:
             epoch = self._epochs.get(request_id)
             if epoch == step.serial:
@@ -297,7 +297,7 @@ class PagedKVCache:
             elif epoch is not None:
                 raise _stale(step, request_id, f"re-planned by step #{epoch}")
             else:
-                if replanned is None and not only_frees and request_id not in self._freed_ids.get(step.serial, ()):
+                if replanned is None and not only_frees and request_id not in freed_here:
                     replanned = request_id  # re-planned, then freed from that later step
                 if freed is None:
                     freed = request_id
@@ -433,7 +433,6 @@ class PagedKVCache:
             live = set(self._epochs.values())  # requests were all re-planned since): nothing can run them
             self._pending = {serial: layers for serial, layers in self._pending.items() if serial in live}
             self._freed = {serial: record for serial, record in self._freed.items() if serial in live}
-            self._freed_ids = {serial: ids for serial, ids in self._freed_ids.items() if serial in live}
         mark_planned(metadata, self._serial)  # read-only from here (dsv4.metadata.copy_metadata_ refills)
         self._pending[self._serial] = set(self.layers)  # until every layer has run it (mark_written)
         self._planned = self._serial
