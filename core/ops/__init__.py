@@ -55,6 +55,7 @@ from dsv4.ops.validate import (
 from dsv4.registry import get_registry
 from dsv4.specs.config import ROPE_DIM
 from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
+from dsv4.specs.formats import format_names, get_format
 
 __all__ = [
     "OP_NAMES",
@@ -149,9 +150,9 @@ def compress_insert(kv_score: torch.Tensor, positions: torch.Tensor, token_reque
         raise DSV4ValueError.of("ape", f"shape ({ratio}, {width // 2})", f"shape {tuple(ape.shape)}")
     if tuple(norm_weight.shape) != (head_dim,):
         raise DSV4ValueError.of("norm_weight", f"shape ({head_dim},)", f"shape {tuple(norm_weight.shape)}")
-    if _format_width("out_format", out_format) != head_dim:
-        raise DSV4ValueError.of("head_dim", f"{_format_width('out_format', out_format)} (the rows of {out_format})",
-                                head_dim)
+    rows = _format_width("out_format", out_format)
+    if rows != head_dim:
+        raise DSV4ValueError.of("head_dim", f"{rows} (the rows of {out_format})", head_dim)
     check_dtype("ape", ape, torch.float32, torch.float64)  # SPEC §5: kept fp32 whatever the activations
     check_dtype("norm_weight", norm_weight, torch.float32, torch.float64)
     _cos_sin(cos_sin)
@@ -368,12 +369,10 @@ def _same_device(first: str, anchor: torch.Tensor, **tensors: torch.Tensor | Non
 def _format_width(argument: str, format_name: str) -> int:
     """The row width of the cache format ``format_name``, the op's ``argument`` (a name SPEC does not list is
     refused here, naming it, rather than by a codec deep in a backend)."""
-    from dsv4.codecs import get_codec  # late: the codecs are not needed to import the ops
-    from dsv4.specs.formats import CacheFormat, format_names
-
-    if (format_name.name if isinstance(format_name, CacheFormat) else format_name) not in format_names():
-        raise CacheLayoutError.of(argument, f"one of {', '.join(format_names())}", repr(format_name))
-    return get_codec(format_name).row_dim
+    try:
+        return get_format(format_name).row_dim
+    except CacheLayoutError:
+        raise CacheLayoutError.of(argument, f"one of {', '.join(format_names())}", repr(format_name)) from None
 
 
 def _row_width(name: str, t: torch.Tensor, argument: str, format_name: str) -> None:
