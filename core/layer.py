@@ -24,7 +24,7 @@ from dsv4.batch_invariant import linear
 from dsv4.cache import LayerCache, PagedKVCache, Step
 from dsv4.layer_checks import (
     check_cache_matches,
-    check_parameter_dtypes,
+    check_parameters,
     check_step,
     row_range,
     validate_backends,
@@ -252,7 +252,7 @@ class Attention(nn.Module):
         self.fp8_output = get_profile(profile).output_fp8 if fp8_output is None else fp8_output
         self.backends = validate_backends(backends, OP_NAMES)
         self._selection_memo: dict = {}  # layer_dispatch.resolve_backends: backends by (device, dtype, ...)
-        self._fp32_parameter_slots: list | None = None  # layer_checks.check_parameter_dtypes: found once
+        self._parameter_slots: list | None = None  # layer_checks.check_parameters: found once
         H, D, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         if H % cfg.o_groups:
             raise DSV4ValueError.of("num_attention_heads", f"a multiple of o_groups={cfg.o_groups}", H)
@@ -277,7 +277,7 @@ class Attention(nn.Module):
         """Copies and pickles start without the per-process caches: selections (they hold the registry's
         backends, which a deep copy would duplicate), side streams, the fp32-parameter slots."""
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        state.update(_selection_memo={}, _streams={}, _fp32_parameter_slots=None)
+        state.update(_selection_memo={}, _streams={}, _parameter_slots=None)
         return state
 
     def reserve_positions(self, num_positions: int) -> None:
@@ -346,7 +346,7 @@ class Attention(nn.Module):
             raise DSV4TypeError.of("x", f"dtype {self.wq_a.weight.dtype} (the layer's parameters)", x.dtype)
         if x.device != cache.device:
             raise DSV4ValueError.of("x", f"device {cache.device} (the cache's)", x.device)
-        check_parameter_dtypes(self, x)
+        check_parameters(self, x)
         lc = check_cache_matches(self, cache)
         check = x.device.type == "cpu" if self.check_finite is None else self.check_finite
         if check and not torch.isfinite(x).all():  # SPEC §12: report NaN/Inf (a sync on GPUs)

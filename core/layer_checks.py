@@ -20,7 +20,7 @@ from dsv4.specs.errors import CacheLayoutError, DSV4TypeError, DSV4ValueError
 if TYPE_CHECKING:
     from dsv4.layer import Attention
 
-__all__ = ["check_cache_matches", "check_parameter_dtypes", "check_step", "validate_backends"]
+__all__ = ["check_cache_matches", "check_parameters", "check_step", "row_range", "validate_backends"]
 
 
 def validate_backends(backends: object, op_names: tuple[str, ...]) -> dict[str, str | Backend]:
@@ -86,8 +86,9 @@ def row_range(rows: object, num_tokens: int) -> tuple[int, int]:
 
 def check_cache_matches(attn: Attention, cache: PagedKVCache) -> LayerCache:
     """The cache was built for a config that agrees with the layer's: profile, layer kind, window, positions
-    (the cache's bound no larger than the layer's RoPE table), and for a CSA layer the indexer's top-k (the step's ``topk_lens`` are built from the cache's). Returns the layer's
-    storage: the forward's one look-up of its layer id in the cache."""
+    (the cache's bound no larger than the layer's RoPE table), and for a CSA layer the indexer's top-k (the
+    step's ``topk_lens`` are built from the cache's). Returns the layer's storage: the forward's one look-up
+    of its layer id in the cache."""
     cache.check_profile(attn.profile)
     lc = cache.layers.get(attn.layer_id)
     if lc is None:
@@ -122,14 +123,14 @@ def _parameter_tensors(attn: Attention) -> Iterator[tuple[str, torch.Tensor, boo
     a ``.data`` swap or a replaced submodule shows. A path that no longer resolves (a submodule swapped for one
     of another shape) triggers one fresh walk."""
     for fresh in (False, True):
-        if fresh or attn._fp32_parameter_slots is None:
+        if fresh or attn._parameter_slots is None:
             slots = []
             for name, _ in attn.named_parameters():
                 fp32 = name == "attn_sink" or name.endswith("norm.weight") or "compressor." in name
                 owner, _, attr = name.rpartition(".")
                 slots.append((name, tuple(owner.split(".")) if owner else (), attr, fp32))
-            attn._fp32_parameter_slots = slots
-        found = _resolve_slots(attn, attn._fp32_parameter_slots)
+            attn._parameter_slots = slots
+        found = _resolve_slots(attn, attn._parameter_slots)
         if found is not None:
             break
     yield from found
@@ -152,7 +153,7 @@ def _resolve_slots(attn: Attention, slots: list) -> list[tuple[str, torch.Tensor
     return out
 
 
-def check_parameter_dtypes(attn: Attention, x: torch.Tensor) -> None:
+def check_parameters(attn: Attention, x: torch.Tensor) -> None:
     """Every parameter on x's device; fp32 parameters still fp32 (float64 allowed for the float64 ideal):
     ``attn.to(torch.bfloat16)`` or ``.half()`` casts them too; the projections in x's dtype. Otherwise an op
     would fail later (after the first cache write) with torch's own error, naming no parameter."""
