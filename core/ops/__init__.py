@@ -235,12 +235,13 @@ def indexer_topk_slots(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor
     compressed_block_table [R, mb] int32 with pages of ``compressed_block_size`` entries. The layer's
     direct path runs ``Backend.indexer_topk_slots`` instead, which a backend may fuse; equal results."""
     block_size = check_compressed_pages(compressed_block_table, compressed_block_size)
+    local = indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
+                         key_format=key_format, ratio=ratio, backend=backend)  # checks its own arguments first
     if value_checks_enabled(q):  # the op has no compressed cache: its slots must fit int32 (SPEC §10)
-        check_request_ids(token_request, compressed_block_table.shape[0])
+        if compressed_block_table.shape[0] < key_block_table.shape[0]:  # else indexer_topk's check covered it
+            check_request_ids(token_request, compressed_block_table.shape[0])
         check_pages("compressed_block_table", compressed_block_table, MAX_SLOTS // block_size,
                     f"global slots below 2**31 at {block_size} entries a page")
-    local = indexer_topk(q, w, positions, token_request, key_cache, key_block_table, topk=topk,
-                         key_format=key_format, ratio=ratio, backend=backend)
     return topk_local_to_global(local, token_request, compressed_block_table, block_size)
 
 
