@@ -143,8 +143,9 @@ _VARIANTS = {"sort": {}, "register": {"candidates": 64}, "register_groups": {"ca
 def test_topk_row_lens_read_only_the_row(variant: str) -> None:
     """``row_lens``: every kernel (one sort of the row; in registers, where a row of at most ``candidates``
     entries takes one sort and one of at most a quarter of the width the in-register select at that width;
-    chunked, without and with the in-register tiers at ``reg_max`` and a quarter of it) gives, bit for bit, what it gives without lengths on rows whose tails
-    are -inf, and the same again when the tails hold garbage (+inf, huge, NaN, ties): nothing past a row's
+    chunked, without and with the in-register tiers at ``reg_max`` and a quarter of it) gives, bit for bit,
+    what it gives without lengths on rows whose tails are -inf, and the same again when the tails hold
+    garbage (+inf, huge, NaN, ties): nothing past a row's
     length is read. Rows shorter than / as long as / longer than k, empty, past n (clamped), with heavy
     ties at the cut (the fallback of the threshold kernels) and NaNs inside. One exception: a row that
     has fewer than 2k group maxima (groups sized for the width, not the row), whose threshold leaves more
